@@ -1,0 +1,79 @@
+"""Configuration front end: a frozen dataclass, filled from a YAML file, then `key=value` overrides.
+
+Nested dataclasses are addressed with dotted keys (``loss.variant=dapo``). Values are read as YAML
+scalars, so ``3``, ``0.5``, ``true`` and ``null`` get their natural types; the dataclass's own
+`__post_init__` then validates them. Unknown keys are errors that list the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+C = TypeVar("C")
+
+
+def _build(cls: type[C], values: Mapping[str, Any], where: str) -> C:
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{where or 'config'} must be a mapping, got {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"unknown {cls.__name__} keys {[where + k for k in unknown]}; valid: {sorted(fields)}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in values.items():
+        nested = hints[name]
+        if isinstance(nested, type) and dataclasses.is_dataclass(nested):
+            base = _default(fields[name])
+            if base is not None and isinstance(value, Mapping):
+                value = {
+                    **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                    **value,
+                }
+            value = _build(nested, value, f"{where}{name}.")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None if field.default is dataclasses.MISSING else field.default
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = tree.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {key!r}: {part!r} is not a section")
+        tree = node
+    tree[leaf] = value
+
+
+def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequence[str] = ()) -> C:
+    """`cls` from an optional YAML file, then ``key=value`` overrides on top."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+        tree = yaml.safe_load(path.read_text()) or {}
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {override!r} must look like key=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    return _build(cls, tree, "")
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)

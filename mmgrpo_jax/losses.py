@@ -1,0 +1,217 @@
+"""Policy-gradient losses: per-token objectives and their aggregations (DESIGN section 4).
+
+A variant is one per-token function plus an aggregation, registered in `VARIANTS`. Everything is
+float32, masked with `where` on the inputs as well as the outputs, so padding holding -inf or NaN
+log-probs never reaches a gradient. Shapes: B rows, T completion positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Aggregation = Literal["sequence_mean", "token_mean_local", "token_mean_global", "fixed_length"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenTerms:
+    loss: jax.Array  # [B, T] per-token loss before masking and aggregation
+    ratio: jax.Array  # [B, T] the importance ratio the objective used
+    clipped_low: jax.Array  # [B, T] bool
+    clipped_high: jax.Array  # [B, T] bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    token_terms: Callable[..., TokenTerms]
+    aggregation: Aggregation
+    uses_delta: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Which objective to minimise and its clipping/KL constants.
+
+    `epsilon_high` defaults to `epsilon` for the clipped variants; for cispo it is an absolute cap
+    on the ratio (TRL's form) and must be given, e.g. 5.0. `delta` (two-sided clipping) applies to
+    grpo, bnpo, dapo and dr_grpo. `max_completion_length` is dr_grpo's constant normaliser.
+    """
+
+    variant: str
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    beta: float = 0.0
+    max_completion_length: int | None = None
+
+    @property
+    def eps_high(self) -> float:
+        """The upper clip (or cispo's cap): `epsilon_high`, else `epsilon`."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(
+                f"LossConfig.variant must be one of {sorted(VARIANTS)}, got {self.variant!r}"
+            )
+        if not self.epsilon >= 0:
+            raise ValueError(f"LossConfig.epsilon must be >= 0, got {self.epsilon!r}")
+        if self.variant == "cispo" and (self.epsilon_high is None or self.epsilon_high < 1):
+            raise ValueError(
+                "LossConfig.epsilon_high is cispo's absolute cap on the ratio and must be >= 1 "
+                f"(e.g. 5.0), got {self.epsilon_high!r}"
+            )
+        if not self.eps_high >= 0:
+            raise ValueError(f"LossConfig.epsilon_high must be >= 0, got {self.epsilon_high!r}")
+        if self.delta is not None:
+            if not VARIANTS[self.variant].uses_delta:
+                raise ValueError(
+                    f"LossConfig.delta applies to grpo, bnpo, dapo and dr_grpo, not "
+                    f"{self.variant!r}; got delta={self.delta!r}"
+                )
+            if not self.delta > 1:
+                raise ValueError(f"LossConfig.delta must be > 1, got {self.delta!r}")
+        if not self.beta >= 0:
+            raise ValueError(f"LossConfig.beta must be >= 0, got {self.beta!r}")
+        if self.variant == "dr_grpo" and (
+            self.max_completion_length is None or self.max_completion_length < 1
+        ):
+            raise ValueError(
+                "LossConfig.max_completion_length must be a positive int for dr_grpo, got "
+                f"{self.max_completion_length!r}"
+            )
+
+
+def _clipped_terms(
+    cfg: LossConfig, logps: jax.Array, log_ratio: jax.Array, advantages: jax.Array, mask: jax.Array
+) -> TokenTerms:
+    """PPO-clip: -min(rho A, clip(rho, 1-e, 1+eh) A), rho capped at delta in the first term."""
+    del logps, mask
+    ratio = jnp.exp(log_ratio)
+    unclipped = ratio if cfg.delta is None else jnp.minimum(ratio, cfg.delta)
+    clipped = jnp.clip(ratio, 1 - cfg.epsilon, 1 + cfg.eps_high)
+    loss = -jnp.minimum(unclipped * advantages, clipped * advantages)
+    low = (ratio < 1 - cfg.epsilon) & (advantages < 0)
+    high = (ratio > 1 + cfg.eps_high) & (advantages > 0)
+    return TokenTerms(loss, ratio, low, high)
+
+
+def _gspo_terms(
+    cfg: LossConfig, logps: jax.Array, log_ratio: jax.Array, advantages: jax.Array, mask: jax.Array
+) -> TokenTerms:
+    """GSPO: PPO-clip on the length-normalised sequence ratio, its gradient reaching every token."""
+    lengths = jnp.maximum(mask.sum(-1, keepdims=True), 1)
+    ratio = jnp.exp(log_ratio.sum(-1, keepdims=True) / lengths) * jnp.ones_like(log_ratio)
+    clipped = jnp.clip(ratio, 1 - cfg.epsilon, 1 + cfg.eps_high)
+    loss = -jnp.minimum(ratio * advantages, clipped * advantages)
+    low = (ratio < 1 - cfg.epsilon) & (advantages < 0)
+    high = (ratio > 1 + cfg.eps_high) & (advantages > 0)
+    return TokenTerms(loss, ratio, low, high)
+
+
+def _cispo_terms(
+    cfg: LossConfig, logps: jax.Array, log_ratio: jax.Array, advantages: jax.Array, mask: jax.Array
+) -> TokenTerms:
+    """CISPO: REINFORCE weighted by the capped, stop-gradient ratio; never zero gradient."""
+    del mask
+    ratio = jnp.exp(log_ratio)
+    weight = jax.lax.stop_gradient(jnp.minimum(ratio, cfg.eps_high))
+    loss = -weight * advantages * logps
+    high = (ratio > cfg.eps_high) & (advantages > 0)
+    return TokenTerms(loss, ratio, jnp.zeros_like(high), high)
+
+
+VARIANTS: dict[str, Variant] = {
+    "grpo": Variant(_clipped_terms, "sequence_mean", uses_delta=True),
+    "bnpo": Variant(_clipped_terms, "token_mean_local", uses_delta=True),
+    "dapo": Variant(_clipped_terms, "token_mean_global", uses_delta=True),
+    "dr_grpo": Variant(_clipped_terms, "fixed_length", uses_delta=True),
+    "cispo": Variant(_cispo_terms, "token_mean_global"),
+    "gspo": Variant(_gspo_terms, "sequence_mean"),
+}
+
+
+def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(mask.sum(), 1)
+
+
+def policy_loss(
+    cfg: LossConfig,
+    logps: jax.Array,  # [B, T] trainer log-probs, gradients flow here
+    old_logps: jax.Array,  # [B, T] log-probs before this step's first update (constant)
+    advantages: jax.Array,  # [B]
+    mask: jax.Array,  # [B, T] completion tokens only
+    ref_logps: jax.Array | None = None,  # [B, T] base model (LoRA off), needed when beta > 0
+    trajectory_ids: jax.Array | None = None,  # [B] ids in [0, B), -1 = padding row
+    *,
+    num_sequences: jax.Array | int | None = None,
+    num_tokens: jax.Array | int | None = None,
+    num_micro_batches: int = 1,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The loss to minimise and its metrics, DESIGN section 4.
+
+    With `trajectory_ids` the sequence unit is the trajectory (trajectory-level mmGRPO); all rows
+    of a trajectory must be in this call. Under gradient accumulation pass the whole step's
+    `num_sequences` (rows, or trajectories) and `num_tokens` so that summing the micro-batch
+    losses gives the step's loss; by default both are counted in this batch. bnpo averages
+    micro-batch token means by definition, so it takes `num_micro_batches` instead.
+    """
+    if cfg.beta > 0 and ref_logps is None:
+        raise ValueError(f"LossConfig.beta={cfg.beta} needs ref_logps for the KL term")
+    if logps.ndim != 2 or logps.shape != old_logps.shape or logps.shape != mask.shape:
+        raise ValueError(
+            f"logps, old_logps and mask must share one [B, T] shape, got {logps.shape}, "
+            f"{old_logps.shape}, {mask.shape}"
+        )
+    if advantages.shape != logps.shape[:1]:
+        raise ValueError(f"advantages must be [B]={logps.shape[:1]}, got {advantages.shape}")
+    variant = VARIANTS[cfg.variant]
+    mask = mask.astype(bool)
+    logps = jnp.where(mask, logps.astype(jnp.float32), 0.0)
+    old_logps = jax.lax.stop_gradient(jnp.where(mask, old_logps.astype(jnp.float32), 0.0))
+    log_ratio = jnp.where(mask, logps - old_logps, 0.0)
+    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))[:, None]  # [B, 1]
+
+    terms = variant.token_terms(cfg, logps, log_ratio, adv, mask)
+    per_token = terms.loss
+    kl = jnp.zeros_like(per_token)
+    if ref_logps is not None:
+        ref = jax.lax.stop_gradient(jnp.where(mask, ref_logps.astype(jnp.float32), 0.0))
+        kl = jnp.exp(ref - logps) - (ref - logps) - 1.0  # k3 estimator
+        per_token = per_token + cfg.beta * kl
+    per_token = jnp.where(mask, per_token, 0.0)
+
+    row_sum, row_tokens = per_token.sum(-1), mask.sum(-1).astype(jnp.float32)  # [B]
+    if trajectory_ids is None:
+        seq_sum, seq_tokens, present = row_sum, row_tokens, row_sum.shape[0]
+    else:
+        b = row_sum.shape[0]
+        segment = jnp.where(trajectory_ids >= 0, trajectory_ids, b)
+        seq_sum = jax.ops.segment_sum(row_sum, segment, num_segments=b + 1)[:b]
+        seq_tokens = jax.ops.segment_sum(row_tokens, segment, num_segments=b + 1)[:b]
+        rows_per_seq = jax.ops.segment_sum(jnp.ones_like(row_sum), segment, num_segments=b + 1)
+        present = jnp.sum(rows_per_seq[:b] > 0)
+    sequences = jnp.maximum(present if num_sequences is None else num_sequences, 1)
+    tokens = jnp.maximum(row_tokens.sum() if num_tokens is None else num_tokens, 1)
+
+    if variant.aggregation == "sequence_mean":
+        loss = jnp.sum(seq_sum / jnp.maximum(seq_tokens, 1)) / sequences
+    elif variant.aggregation == "token_mean_global":
+        loss = row_sum.sum() / tokens
+    elif variant.aggregation == "token_mean_local":
+        loss = row_sum.sum() / jnp.maximum(row_tokens.sum(), 1) / num_micro_batches
+    else:  # fixed_length (dr_grpo)
+        loss = row_sum.sum() / (sequences * cfg.max_completion_length)
+
+    metrics = {
+        "clip_low_fraction": _masked_mean(terms.clipped_low.astype(jnp.float32), mask),
+        "clip_high_fraction": _masked_mean(terms.clipped_high.astype(jnp.float32), mask),
+        "ratio_mean": _masked_mean(terms.ratio, mask),
+        "kl_mean": _masked_mean(kl, mask),
+        "tokens": row_tokens.sum(),
+    }
+    return loss, metrics

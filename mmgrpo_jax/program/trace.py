@@ -1,0 +1,135 @@
+"""Trace recording: every predictor call made inside a rollout, in order.
+
+The current rollout's trace (and optionally its LM) lives in one context variable, so rollouts
+running on different threads never see each other's calls. This is the only mutable state the
+program layer shares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from mmgrpo_jax.program.lm import LM, LMOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class CallRecord:
+    """One predictor call: what was asked, what came back, and whether it parsed.
+
+    `invocation` is the call's index among the same predictor's calls in this trajectory (the k of
+    module-level grouping). Token ids and log-probs are present when the LM provides them.
+    """
+
+    predictor: str
+    invocation: int
+    messages: tuple[dict[str, str], ...]
+    completion: str
+    prompt_ids: tuple[int, ...] | None
+    completion_ids: tuple[int, ...] | None
+    logprobs: tuple[float, ...] | None
+    finish_reason: str
+    parsed: bool
+    parse_error: str | None
+    outputs: dict[str, Any] | None
+
+    @classmethod
+    def from_output(
+        cls,
+        predictor: str,
+        invocation: int,
+        messages: list[dict[str, str]],
+        output: LMOutput,
+        outputs: dict[str, Any] | None,
+        parse_error: str | None,
+    ) -> CallRecord:
+        return cls(
+            predictor=predictor,
+            invocation=invocation,
+            messages=tuple(dict(m) for m in messages),
+            completion=output.text,
+            prompt_ids=output.prompt_ids,
+            completion_ids=output.completion_ids,
+            logprobs=output.logprobs,
+            finish_reason=output.finish_reason,
+            parsed=parse_error is None,
+            parse_error=parse_error,
+            outputs=outputs,
+        )
+
+
+class Trace:
+    """The calls of one trajectory; maps predictor objects to the program's dotted names."""
+
+    def __init__(self, names: dict[int, str]) -> None:
+        self._names = names
+        self._calls: list[CallRecord] = []
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()  # a program may fan calls out to its own threads
+
+    def name_of(self, predictor: object) -> str:
+        try:
+            return self._names[id(predictor)]
+        except KeyError:
+            raise RuntimeError(
+                f"{predictor!r} was called inside a trace but is not a predictor of the traced "
+                "program; make it an attribute of the program (or of one of its modules)"
+            ) from None
+
+    def next_invocation(self, name: str) -> int:
+        with self._lock:
+            index = self._counts.get(name, 0)
+            self._counts[name] = index + 1
+            return index
+
+    def record(self, call: CallRecord) -> None:
+        with self._lock:
+            self._calls.append(call)
+
+    @property
+    def calls(self) -> tuple[CallRecord, ...]:
+        with self._lock:
+            return tuple(self._calls)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+    trace: Trace | None
+    lm: LM | None
+
+
+_CONTEXT: contextvars.ContextVar[RunContext] = contextvars.ContextVar(
+    "mmgrpo_run_context",
+    default=RunContext(trace=None, lm=None),  # noqa: B039 (frozen)
+)
+
+
+def current() -> RunContext:
+    return _CONTEXT.get()
+
+
+@contextlib.contextmanager
+def using_lm(lm: LM) -> Iterator[None]:
+    """Run predictors without their own LM on `lm` in this context (thread)."""
+    token = _CONTEXT.set(dataclasses.replace(_CONTEXT.get(), lm=lm))
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+@contextlib.contextmanager
+def record_trace(program: Any, lm: LM | None = None) -> Iterator[Trace]:
+    """Record every call of `program`'s predictors made in this context into a fresh Trace."""
+    names = {id(predictor): name for name, predictor in program.named_predictors()}
+    trace = Trace(names)
+    outer = _CONTEXT.get()
+    token = _CONTEXT.set(RunContext(trace=trace, lm=lm if lm is not None else outer.lm))
+    try:
+        yield trace
+    finally:
+        _CONTEXT.reset(token)

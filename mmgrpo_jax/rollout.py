@@ -1,0 +1,154 @@
+"""Rollouts: run each example G times, concurrently, and score every trajectory.
+
+DESIGN section 5: a parse failure gets `format_failure_score`, a program or metric exception
+gets `failure_score`; neither stops the run, both keep the calls made so far, and both are
+counted in `summarize` and logged. Nothing is dropped: every (example, rollout) pair comes back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+from tqdm.auto import tqdm
+
+from mmgrpo_jax.program.adapter import ParseError
+from mmgrpo_jax.program.example import Example
+from mmgrpo_jax.program.lm import LM
+from mmgrpo_jax.program.module import Module
+from mmgrpo_jax.program.trace import CallRecord, record_trace
+
+logger = logging.getLogger(__name__)
+
+Status = Literal["ok", "format_failure", "error"]
+Metric = Callable[[Example, Any], float | bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    """One run of the program on one example: its calls, reward and how it ended."""
+
+    example_index: int
+    rollout_index: int
+    calls: tuple[CallRecord, ...]
+    reward: float
+    status: Status
+    error: str | None = None
+    prediction: Any = None
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _as_reward(value: Any) -> float:
+    if isinstance(value, bool | numbers.Real):
+        reward = float(value)
+        if not math.isfinite(reward):
+            raise ValueError(f"metric returned a non-finite reward {reward!r}")
+        return reward
+    raise TypeError(f"metric returned {value!r}; expected a number or a bool")
+
+
+def run_trajectory(
+    program: Module,
+    example: Example,
+    metric: Metric,
+    *,
+    example_index: int = 0,
+    rollout_index: int = 0,
+    lm: LM | None = None,
+    failure_score: float = 0.0,
+    format_failure_score: float = -1.0,
+) -> Trajectory:
+    """Run and score one trajectory; every failure becomes a status, never an exception."""
+
+    def ended(status: Status, reward: float, error: str | None = None, prediction: Any = None):
+        if error is not None:
+            logger.warning("example %d rollout %d: %s", example_index, rollout_index, error)
+        return Trajectory(
+            example_index, rollout_index, trace.calls, reward, status, error, prediction
+        )
+
+    with record_trace(program, lm=lm) as trace:
+        try:
+            prediction = program(**example.inputs())
+        except ParseError as err:
+            return ended("format_failure", format_failure_score, _describe(err))
+        except Exception as err:
+            return ended("error", failure_score, f"program raised {_describe(err)}")
+    # A parse failure the program caught itself still marks the trajectory (DESIGN section 5).
+    failed = [c for c in trace.calls if not c.parsed]
+    if failed:
+        first = failed[0]
+        error = f"{first.predictor}[{first.invocation}] failed to parse: {first.parse_error}"
+        return ended("format_failure", format_failure_score, error, prediction)
+    try:
+        reward = _as_reward(metric(example, prediction))
+    except Exception as err:
+        return ended("error", failure_score, f"metric raised {_describe(err)}", prediction)
+    return ended("ok", reward, None, prediction)
+
+
+def run_rollouts(
+    program: Module,
+    examples: Sequence[Example],
+    metric: Metric,
+    *,
+    num_rollouts: int,
+    lm: LM | None = None,
+    max_workers: int | None = None,
+    failure_score: float = 0.0,
+    format_failure_score: float = -1.0,
+    progress: bool = False,
+) -> list[Trajectory]:
+    """G trajectories per example on a thread pool, ordered by (example, rollout).
+
+    All rollouts are submitted at once so a batching LM sees many concurrent requests; by default
+    there is one worker per rollout (at most 256).
+    """
+    if num_rollouts < 1:
+        raise ValueError(f"num_rollouts must be >= 1, got {num_rollouts}")
+    for example in examples:
+        example.inputs()  # fail here, not in a worker thread, on a row without input keys
+    jobs = [(e, r) for e in range(len(examples)) for r in range(num_rollouts)]
+    if not jobs:
+        return []
+    workers = max_workers if max_workers is not None else min(len(jobs), 256)
+
+    def job(pair: tuple[int, int]) -> Trajectory:
+        e, r = pair
+        return run_trajectory(
+            program,
+            examples[e],
+            metric,
+            example_index=e,
+            rollout_index=r,
+            lm=lm,
+            failure_score=failure_score,
+            format_failure_score=format_failure_score,
+        )
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout") as pool:
+        results = pool.map(job, jobs)
+        bar = tqdm(results, total=len(jobs), desc="rollouts", disable=not progress, leave=False)
+        return list(bar)
+
+
+def summarize(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Counts by status and the mean reward: what a run log needs about its rollouts."""
+    counts = {status: 0 for status in ("ok", "format_failure", "error")}
+    for t in trajectories:
+        counts[t.status] += 1
+    rewards = [t.reward for t in trajectories]
+    return {
+        "trajectories": len(trajectories),
+        **{f"status_{k}": v for k, v in counts.items()},
+        "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+        "calls": sum(len(t.calls) for t in trajectories),
+    }
