@@ -8,6 +8,7 @@ scalars, so ``3``, ``0.5``, ``true`` and ``null`` get their natural types; the d
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,6 +32,9 @@ def _build(cls: type[C], values: Mapping[str, Any], where: str) -> C:
     kwargs = {}
     for name, value in values.items():
         nested = hints[name]
+        if isinstance(value, Mapping) and not dataclasses.is_dataclass(nested):
+            raise ValueError(f"{where}{name!r} is not a section; got {dict(value)!r}")
+        _check_scalar(nested, value, where + name)
         if isinstance(nested, type) and dataclasses.is_dataclass(nested):
             base = _default(fields[name])
             if base is not None and isinstance(value, Mapping):
@@ -41,6 +45,27 @@ def _build(cls: type[C], values: Mapping[str, Any], where: str) -> C:
             value = _build(nested, value, f"{where}{name}.")
         kwargs[name] = value
     return cls(**kwargs)
+
+
+_SCALARS = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
+
+
+def _check_scalar(hint: Any, value: Any, key: str) -> None:
+    """Type-check plain scalar fields (and `X | None`); richer types are left to the dataclass."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    options = typing.get_args(hint) if union else (hint,)
+    if value is None and type(None) in options:
+        return
+    concrete = [o for o in options if o is not type(None)]
+    if not all(o in _SCALARS for o in concrete):
+        return
+    for option in concrete:
+        if isinstance(value, bool) and option is not bool:
+            continue  # YAML's true is not an int here
+        if isinstance(value, _SCALARS[option]):
+            return
+    names = " | ".join("None" if o is type(None) else o.__name__ for o in options)
+    raise ValueError(f"{key} must be {names}, got {value!r}")
 
 
 def _default(field: dataclasses.Field) -> Any:

@@ -171,6 +171,8 @@ def policy_loss(
         raise ValueError(f"advantages must be [B]={logps.shape[:1]}, got {advantages.shape}")
     variant = VARIANTS[cfg.variant]
     mask = mask.astype(bool)
+    if trajectory_ids is not None:
+        mask = mask & (trajectory_ids >= 0)[:, None]  # padding rows are out of every sum
     logps = jnp.where(mask, logps.astype(jnp.float32), 0.0)
     old_logps = jax.lax.stop_gradient(jnp.where(mask, old_logps.astype(jnp.float32), 0.0))
     log_ratio = jnp.where(mask, logps - old_logps, 0.0)

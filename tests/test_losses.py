@@ -1,0 +1,303 @@
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mmgrpo_jax.losses import VARIANTS, LossConfig, policy_loss
+
+jax.config.update("jax_enable_x64", False)
+B, T, L = 6, 7, 10  # rows, completion positions, dr_grpo's max_completion_length
+CLIPPED = ("grpo", "bnpo", "dapo", "dr_grpo")
+
+
+def config(variant, **kwargs):
+    defaults = {"cispo": {"epsilon_high": 5.0}, "dr_grpo": {"max_completion_length": L}}
+    return LossConfig(variant, **{**defaults.get(variant, {}), **kwargs})
+
+
+# ---------------------------------------------------------------- numpy restatement (float64)
+
+
+def reference(cfg, logps, old, adv, mask, ref=None, tids=None, num_sequences=None):
+    """DESIGN section 4 token by token, with explicit loops; masked entries are never read."""
+    e, eh = cfg.epsilon, cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    if tids is not None:
+        mask = mask & (np.asarray(tids) >= 0)[:, None]  # a padding row counts nowhere
+    rows, cols = mask.shape
+    per = np.zeros((rows, cols))
+    ratios, low, high, kls = [], [], [], []
+    for i in range(rows):
+        n_i = int(mask[i].sum())
+        seq = sum(logps[i, t] - old[i, t] for t in range(cols) if mask[i, t])
+        s = math.exp(seq / max(n_i, 1))
+        for t in range(cols):
+            if not mask[i, t]:
+                continue
+            a, lp = adv[i], logps[i, t]
+            rho = math.exp(lp - old[i, t])
+            if cfg.variant in CLIPPED:
+                first = rho if cfg.delta is None else min(rho, cfg.delta)
+                val = -min(first * a, min(max(rho, 1 - e), 1 + eh) * a)
+                low.append(rho < 1 - e and a < 0)
+                high.append(rho > 1 + eh and a > 0)
+            elif cfg.variant == "gspo":
+                rho = s
+                val = -min(s * a, min(max(s, 1 - e), 1 + eh) * a)
+                low.append(s < 1 - e and a < 0)
+                high.append(s > 1 + eh and a > 0)
+            else:  # cispo
+                val = -min(rho, eh) * a * lp
+                low.append(False)
+                high.append(rho > eh and a > 0)
+            kl = 0.0
+            if ref is not None:
+                d = ref[i, t] - lp
+                kl = math.exp(d) - d - 1
+                val += cfg.beta * kl
+            ratios.append(rho)
+            kls.append(kl)
+            per[i, t] = val
+    row_sum, row_tokens = per.sum(1), mask.sum(1)
+    if tids is None:
+        units = [[i] for i in range(rows)]
+    else:
+        units = [[i for i in range(rows) if tids[i] == u] for u in sorted(set(tids) - {-1})]
+    n_units = len(units) if num_sequences is None else num_sequences
+    aggregation = VARIANTS[cfg.variant].aggregation
+    if aggregation == "sequence_mean":
+        loss = sum(row_sum[u].sum() / max(row_tokens[u].sum(), 1) for u in units) / n_units
+    elif aggregation in ("token_mean_global", "token_mean_local"):
+        loss = row_sum.sum() / max(row_tokens.sum(), 1)
+    else:
+        loss = row_sum.sum() / (n_units * cfg.max_completion_length)
+    metrics = {
+        "clip_low_fraction": np.mean(low) if low else 0.0,
+        "clip_high_fraction": np.mean(high) if high else 0.0,
+        "ratio_mean": np.mean(ratios) if ratios else 0.0,
+        "kl_mean": np.mean(kls) if kls else 0.0,
+        "tokens": float(mask.sum()),
+    }
+    return loss, metrics
+
+
+def random_batch(seed, masked_value=np.nan):
+    rng = np.random.default_rng(seed)
+    logps = rng.uniform(-3.0, -0.05, (B, T))
+    old = logps + rng.normal(0, 0.3, (B, T))  # ratios on both sides of the clip range
+    ref = logps + rng.normal(0, 0.2, (B, T))
+    adv = rng.normal(0, 1, B)
+    lengths = rng.integers(0, T + 1, B)
+    lengths[0] = 0  # a fully masked row
+    lengths[1] = T
+    mask = np.arange(T)[None, :] < lengths[:, None]
+    for array in (logps, old, ref):
+        array[~mask] = masked_value  # padding junk must never leak
+    return logps, old, ref, adv, mask
+
+
+def run(cfg, logps, old, adv, mask, ref=None, tids=None, **kwargs):
+    f = jax.jit(policy_loss, static_argnums=0)
+    to = jnp.asarray
+    return f(
+        cfg,
+        to(logps, jnp.float32),
+        to(old, jnp.float32),
+        to(adv, jnp.float32),
+        to(mask),
+        None if ref is None else to(ref, jnp.float32),
+        None if tids is None else to(tids, jnp.int32),
+        **kwargs,
+    )
+
+
+CASES = [
+    config("grpo"),
+    config("grpo", epsilon=0.1, epsilon_high=0.3, delta=1.5),
+    config("bnpo", epsilon_high=0.28),
+    config("dapo", epsilon_high=0.28, beta=0.04),
+    config("dr_grpo", delta=2.0),
+    config("cispo", beta=0.1),
+    config("gspo", epsilon=3e-4, epsilon_high=4e-4),
+    config("gspo", epsilon=0.05),
+]
+TRAJECTORIES = np.array([0, 0, 3, 1, 3, -1])  # rows 0,1 one trajectory; row 5 padding
+
+
+@pytest.mark.parametrize("cfg", CASES, ids=lambda c: f"{c.variant}-d{c.delta}-b{c.beta}")
+@pytest.mark.parametrize("trajectory_level", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_loss_and_metrics_equal_numpy_restatement(cfg, trajectory_level, seed):
+    logps, old, ref, adv, mask = random_batch(seed)
+    ref_in = ref if cfg.beta > 0 else None
+    tids = TRAJECTORIES if trajectory_level else None
+    loss, metrics = run(cfg, logps, old, adv, mask, ref_in, tids)
+    want_loss, want_metrics = reference(cfg, logps, old, adv, mask, ref_in, tids)
+    np.testing.assert_allclose(float(loss), want_loss, rtol=2e-5, atol=1e-6)
+    for key, value in want_metrics.items():
+        np.testing.assert_allclose(float(metrics[key]), value, rtol=2e-5, atol=1e-6, err_msg=key)
+
+
+# ---------------------------------------------------------------- gradient properties
+
+
+def grad_wrt_logps(cfg, logps, old, adv, mask, **kwargs):
+    def f(lp):
+        return run(cfg, lp, old, adv, mask, **kwargs)[0]
+
+    return np.asarray(jax.grad(f)(jnp.asarray(logps, jnp.float32)))
+
+
+def weights(cfg, mask, tids=None):
+    """The aggregation weight of each token: d loss / d per-token loss."""
+    aggregation = VARIANTS[cfg.variant].aggregation
+    units = np.arange(mask.shape[0]) if tids is None else np.asarray(tids)
+    mask = mask & (units >= 0)[:, None]
+    n_units = len(set(units.tolist()) - {-1})
+    unit_tokens = np.array([mask[units == u].sum() for u in units])
+    w = {
+        "sequence_mean": 1.0 / (n_units * np.maximum(unit_tokens, 1)),
+        "token_mean_global": np.full(len(units), 1.0 / mask.sum()),
+        "token_mean_local": np.full(len(units), 1.0 / mask.sum()),
+        "fixed_length": np.full(len(units), 1.0 / (n_units * L)),
+    }[aggregation]
+    return np.where(mask, w[:, None], 0.0)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("trajectory_level", [False, True])
+def test_gradient_at_ratio_one_is_minus_advantage_times_weight(variant, trajectory_level):
+    cfg = config(variant)
+    logps, _, _, adv, mask = random_batch(7, masked_value=-np.inf)
+    tids = TRAJECTORIES if trajectory_level else None
+    old = np.where(mask, logps, 0.0)  # ratio exactly 1 on every token
+    grad = grad_wrt_logps(cfg, logps, old, adv, mask, tids=tids)
+    want = -adv[:, None] * weights(cfg, mask, tids)
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7)
+
+
+def clipped_batch(advantage, log_ratio):
+    logps = np.full((2, 3), -1.0)
+    old = logps - log_ratio
+    return logps, old, np.full(2, advantage), np.ones((2, 3), bool)
+
+
+@pytest.mark.parametrize("variant", [*CLIPPED, "gspo"])
+@pytest.mark.parametrize(("advantage", "log_ratio"), [(1.0, 0.5), (-1.0, -0.5)])
+def test_gradient_vanishes_in_clipped_regions(variant, advantage, log_ratio):
+    # rho = e^0.5 > 1 + 0.2 with A > 0, and rho = e^-0.5 < 1 - 0.2 with A < 0
+    cfg = config(variant)
+    grad = grad_wrt_logps(cfg, *clipped_batch(advantage, log_ratio))
+    np.testing.assert_array_equal(grad, 0.0)
+    _, metrics = run(cfg, *clipped_batch(advantage, log_ratio))
+    side = "clip_high_fraction" if advantage > 0 else "clip_low_fraction"
+    assert float(metrics[side]) == 1.0
+
+
+@pytest.mark.parametrize(("advantage", "log_ratio"), [(1.0, 3.0), (-1.0, -3.0), (1.0, 0.5)])
+def test_cispo_gradient_never_vanishes(advantage, log_ratio):
+    cfg = config("cispo")
+    grad = grad_wrt_logps(cfg, *clipped_batch(advantage, log_ratio))
+    rho = min(math.exp(log_ratio), 5.0)
+    np.testing.assert_allclose(grad, -advantage * rho / 6, rtol=1e-5)
+
+
+def test_delta_caps_the_unclipped_term():
+    cfg = config("grpo", delta=1.5)
+    logps, old, adv, mask = clipped_batch(-1.0, 1.0)  # rho = e > delta, A < 0
+    loss, _ = run(cfg, logps, old, adv, mask)
+    np.testing.assert_allclose(float(loss), 1.5, rtol=1e-6)
+    np.testing.assert_array_equal(grad_wrt_logps(cfg, logps, old, adv, mask), 0.0)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("junk", [np.nan, -np.inf, np.inf])
+def test_masked_positions_never_produce_nan(variant, junk):
+    cfg = config(variant, beta=0.1)
+    logps, old, ref, adv, mask = random_batch(3, masked_value=junk)
+
+    def f(lp):
+        return run(cfg, lp, old, adv, mask, ref)[0]
+
+    loss, grad = jax.value_and_grad(f)(jnp.asarray(logps, jnp.float32))
+    assert np.isfinite(float(loss))
+    assert np.all(np.isfinite(grad)) and np.all(np.asarray(grad)[~mask] == 0)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fully_masked_row_contributes_nothing(variant):
+    cfg = config(variant)
+    logps, old, _, adv, mask = random_batch(5)
+    assert not mask[0].any()
+    grad = grad_wrt_logps(cfg, logps, old, adv, mask)
+    assert np.all(grad[0] == 0)
+    adv_changed = adv.copy()
+    adv_changed[0] = 1e6
+    same = run(cfg, logps, old, adv_changed, mask)[0]
+    np.testing.assert_allclose(float(same), float(run(cfg, logps, old, adv, mask)[0]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["grpo", "dapo", "dr_grpo", "cispo", "gspo"])
+@pytest.mark.parametrize("trajectory_level", [False, True])
+def test_micro_batches_with_step_totals_sum_to_the_full_loss(variant, trajectory_level):
+    cfg = config(variant, beta=0.05)
+    logps, old, ref, adv, mask = random_batch(11)
+    tids = np.array([0, 0, 1, 1, 2, 2]) if trajectory_level else None
+    full, _ = run(cfg, logps, old, adv, mask, ref, tids)
+    totals = {"num_sequences": 3 if trajectory_level else B, "num_tokens": int(mask.sum())}
+    parts = 0.0
+    for rows in (slice(0, 2), slice(2, 6)):  # trajectories stay whole
+        part_ids = None if tids is None else tids[rows] - tids[rows].min()
+        part, _ = run(
+            cfg, logps[rows], old[rows], adv[rows], mask[rows], ref[rows], part_ids, **totals
+        )
+        parts += float(part)
+    np.testing.assert_allclose(parts, float(full), rtol=1e-5, atol=1e-7)
+
+
+def test_bnpo_averages_micro_batch_token_means():
+    cfg = config("bnpo")
+    logps, old, _, adv, mask = random_batch(12)
+    halves = [slice(0, 3), slice(3, 6)]
+    means = [reference(cfg, logps[h], old[h], adv[h], mask[h])[0] for h in halves]
+    parts = [
+        float(run(cfg, logps[h], old[h], adv[h], mask[h], num_micro_batches=2)[0]) for h in halves
+    ]
+    np.testing.assert_allclose(sum(parts), np.mean(means), rtol=1e-5)
+
+
+# ---------------------------------------------------------------- configuration errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"variant": "ppo"}, "variant must be one of .* got 'ppo'"),
+        ({"variant": "dr_grpo"}, "max_completion_length must be a positive int .* got None"),
+        ({"variant": "dr_grpo", "max_completion_length": 0}, "got 0"),
+        ({"variant": "grpo", "epsilon": -0.1}, "epsilon must be >= 0, got -0.1"),
+        ({"variant": "grpo", "epsilon_high": -1.0}, "epsilon_high must be >= 0, got -1.0"),
+        ({"variant": "grpo", "beta": -0.01}, "beta must be >= 0, got -0.01"),
+        ({"variant": "grpo", "delta": 0.9}, "delta must be > 1, got 0.9"),
+        ({"variant": "gspo", "delta": 2.0}, "delta applies to grpo"),
+        ({"variant": "cispo"}, "epsilon_high is cispo's absolute cap .* got None"),
+        ({"variant": "cispo", "epsilon_high": 0.2}, "got 0.2"),
+    ],
+)
+def test_bad_configs_name_field_and_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LossConfig(**kwargs)
+
+
+def test_epsilon_high_defaults_to_epsilon_without_rewriting_the_field():
+    cfg = LossConfig("grpo", epsilon=0.3)
+    assert cfg.epsilon_high is None and cfg.eps_high == 0.3
+    assert dataclasses.replace(cfg, epsilon=0.1).eps_high == 0.1
+
+
+def test_beta_without_reference_is_an_error():
+    logps, old, _, adv, mask = random_batch(0)
+    with pytest.raises(ValueError, match="needs ref_logps"):
+        run(config("grpo", beta=0.1), logps, old, adv, mask)
