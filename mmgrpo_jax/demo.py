@@ -101,6 +101,11 @@ def print_demo(config: DemoConfig, result: DemoResult, out: TextIO) -> None:
 
 
 def main(config: DemoConfig, out: TextIO) -> int:
-    logging.getLogger("mmgrpo_jax.rollout").setLevel(logging.ERROR)  # statuses are printed below
-    print_demo(config, run_demo(config), out)
+    rollout_logger = logging.getLogger("mmgrpo_jax.rollout")
+    level = rollout_logger.level
+    rollout_logger.setLevel(logging.ERROR)  # the demo prints every status itself
+    try:
+        print_demo(config, run_demo(config), out)
+    finally:
+        rollout_logger.setLevel(level)
     return 0

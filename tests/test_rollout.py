@@ -1,3 +1,4 @@
+import logging
 import math
 
 import pytest
@@ -80,6 +81,7 @@ def test_metric_failures_become_errors(metric, message):
 
 
 def test_rollouts_return_every_pair_in_order_and_never_stop(caplog):
+    caplog.set_level(logging.WARNING, logger="mmgrpo_jax.rollout")
     replies = {"x0": GOOD, "x1": "[[ ## a ## ]]\nno", "x2": "broken"}
     lm = ScriptedLM(lambda m: replies[m[-1]["content"].split("\n")[1]])
     examples = [Example(q=f"x{i}", a="yes").with_inputs("q") for i in range(3)]
