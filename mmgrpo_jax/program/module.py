@@ -7,6 +7,7 @@ stable dotted name (``"hop.query"``, ``"steps[1]"``) used by traces, grouping an
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,6 +39,11 @@ class Module:
 
     def predictors(self) -> list[Predict]:
         return [p for _, p in self.named_predictors()]
+
+    def copy(self) -> Module:
+        """A deep copy whose predictors share the original LMs (LMs hold weights and locks)."""
+        shared = {id(p.lm): p.lm for p in self.predictors() if p.lm is not None}
+        return copy.deepcopy(self, memo=shared)
 
     def set_lm(self, lm: LM | None) -> None:
         for predictor in self.predictors():

@@ -163,3 +163,14 @@ def test_concurrent_rollouts_keep_their_traces_apart():
     for r, calls in enumerate(traces):
         assert [c.invocation for c in calls] == list(range(1 + r % 5))
         assert [c.outputs["echo"] for c in calls] == [f"r{r}-{i}" for i in range(1 + r % 5)]
+
+
+def test_copy_is_independent_but_shares_the_lm():
+    lm = ScriptedLM(lambda m: "[[ ## claim ## ]]\nc")
+    program = Outer()
+    program.set_lm(lm)
+    clone = program.copy()
+    clone.first.demos.append({"question": "q", "claim": "c"})
+    assert program.first.demos == [] and clone.first.lm is lm
+    assert [n for n, _ in clone.named_predictors()] == [n for n, _ in program.named_predictors()]
+    assert clone.shared is clone.first

@@ -1,3 +1,4 @@
+import json
 from collections import Counter
 
 from mmgrpo_jax.rollout import run_rollouts
@@ -40,3 +41,22 @@ def test_wrong_start_word_gets_zero_reward():
         lm=ScriptedLM.from_replies(replies),
     )
     assert (t.status, t.reward, t.prediction.answer) == ("ok", 0.0, wrong)
+
+
+def test_sixteen_concurrent_rollouts_each_trace_their_own_path():
+    table = synthetic.LinkTable.make(6, seed=0)
+    program = synthetic.LinkFollower(table, max_links=3)
+    examples = synthetic.make_examples(table, 1, max_links=3, seed=4)
+    lm = synthetic.noisy_policy(program, accuracy=0.5, format_error_rate=0.0, seed=1)
+    trajectories = run_rollouts(program, examples, synthetic.metric, num_rollouts=16, lm=lm)
+    assert len(trajectories) == 16
+    for t in trajectories:
+        path = t.prediction.path
+        start, *hops = t.calls
+        assert start.outputs["start"] == path[0]
+        assert [c.invocation for c in hops] == list(range(len(hops)))
+        # the k-th hop call saw the first k + 1 words of this rollout's own path
+        assert [c.messages[-1]["content"].split("\n")[-1] for c in hops] == [
+            json.dumps(path[: k + 1]) for k in range(len(hops))
+        ]
+    assert len({tuple(t.prediction.path) for t in trajectories}) > 1  # rollouts really differ
