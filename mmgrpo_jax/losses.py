@@ -86,12 +86,8 @@ class LossConfig:
             )
 
 
-def _clipped_terms(
-    cfg: LossConfig, logps: jax.Array, log_ratio: jax.Array, advantages: jax.Array, mask: jax.Array
-) -> TokenTerms:
-    """PPO-clip: -min(rho A, clip(rho, 1-e, 1+eh) A), rho capped at delta in the first term."""
-    del logps, mask
-    ratio = jnp.exp(log_ratio)
+def _ppo_clip(cfg: LossConfig, ratio: jax.Array, advantages: jax.Array) -> TokenTerms:
+    """-min(rho A, clip(rho, 1-e, 1+eh) A), rho capped at delta in the first term when set."""
     unclipped = ratio if cfg.delta is None else jnp.minimum(ratio, cfg.delta)
     clipped = jnp.clip(ratio, 1 - cfg.epsilon, 1 + cfg.eps_high)
     loss = -jnp.minimum(unclipped * advantages, clipped * advantages)
@@ -100,17 +96,22 @@ def _clipped_terms(
     return TokenTerms(loss, ratio, low, high)
 
 
+def _clipped_terms(
+    cfg: LossConfig, logps: jax.Array, log_ratio: jax.Array, advantages: jax.Array, mask: jax.Array
+) -> TokenTerms:
+    """GRPO/BNPO/DAPO/Dr. GRPO: PPO-clip on each token's ratio."""
+    del logps, mask
+    return _ppo_clip(cfg, jnp.exp(log_ratio), advantages)
+
+
 def _gspo_terms(
     cfg: LossConfig, logps: jax.Array, log_ratio: jax.Array, advantages: jax.Array, mask: jax.Array
 ) -> TokenTerms:
     """GSPO: PPO-clip on the length-normalised sequence ratio, its gradient reaching every token."""
+    del logps
     lengths = jnp.maximum(mask.sum(-1, keepdims=True), 1)
     ratio = jnp.exp(log_ratio.sum(-1, keepdims=True) / lengths) * jnp.ones_like(log_ratio)
-    clipped = jnp.clip(ratio, 1 - cfg.epsilon, 1 + cfg.eps_high)
-    loss = -jnp.minimum(ratio * advantages, clipped * advantages)
-    low = (ratio < 1 - cfg.epsilon) & (advantages < 0)
-    high = (ratio > 1 + cfg.eps_high) & (advantages > 0)
-    return TokenTerms(loss, ratio, low, high)
+    return _ppo_clip(cfg, ratio, advantages)  # delta is rejected for gspo by LossConfig
 
 
 def _cispo_terms(
