@@ -1,0 +1,144 @@
+"""Decoder configuration from an HF `config.json`, in the old and the transformers-5 layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+ModelType = Literal["llama", "qwen2", "qwen3"]
+MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 frequency scaling (`rope_type: llama3`); None in ModelConfig means plain RoPE."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; supported: {MODEL_TYPES}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalises each head's queries and keys before RoPE."""
+        return self.model_type == "qwen3"
+
+    @property
+    def attention_bias(self) -> bool:
+        """Qwen2 has biases on the q, k and v projections."""
+        return self.model_type == "qwen2"
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """From config.json: rope_theta + rope_scaling, or rope_parameters (transformers 5)."""
+        model_type = hf.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; supported: {MODEL_TYPES}"
+            )
+        rope = dict(hf.get("rope_parameters") or {})
+        legacy = hf.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", hf.get("rope_theta"))
+        if theta is None:
+            raise ValueError("config.json has neither rope_theta nor rope_parameters.rope_theta")
+        scaling_source = rope if rope.get("rope_type", "default") != "default" else legacy
+        rope_type = scaling_source.get("rope_type", scaling_source.get("type", "default"))
+        scaling = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                factor=float(scaling_source["factor"]),
+                low_freq_factor=float(scaling_source["low_freq_factor"]),
+                high_freq_factor=float(scaling_source["high_freq_factor"]),
+                original_max_position_embeddings=int(
+                    scaling_source["original_max_position_embeddings"]
+                ),
+            )
+        elif rope_type != "default":
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported; supported: default, llama3"
+            )
+        heads = hf["num_attention_heads"]
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf["rms_norm_eps"],
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 8192),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {str(path)!r}")
+        return cls.from_hf(json.loads(path.read_text()))
+
+    def num_params(self) -> int:
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = d * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * d * f + 2 * d
+        return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
+
+
+def rope_inv_freq(config: ModelConfig) -> list[float]:
+    """Inverse frequencies, Llama-3 scaled when configured (DESIGN section 6)."""
+    dim = config.head_dim
+    inv = [1.0 / config.rope_theta ** (i / dim) for i in range(0, dim, 2)]
+    s = config.rope_scaling
+    if s is None:
+        return inv
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = []
+    for f in inv:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            scaled.append(f)
+        elif wavelen > low_wavelen:
+            scaled.append(f / s.factor)
+        else:
+            smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor
+            )
+            scaled.append((1 - smooth) * f / s.factor + smooth * f)
+    return scaled

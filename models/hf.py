@@ -1,0 +1,142 @@
+"""HF checkpoints <-> our parameter tree: key mapping, per-tensor shape checks, safetensors IO.
+
+Our kernels are [in, out]; HF stores [out, in], so every `kernel` is transposed on the way in and
+out. Tensors are read with numpy (memory-mapped) and placed straight onto their devices, shard by
+shard when a mesh is given; torch is never imported.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+
+from models.config import ModelConfig
+from models.decoder import Decoder
+from models.lora import LoRAConfig
+from models.sharding import param_sharding, path_name
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def hf_key(path: Sequence[object]) -> tuple[str, bool]:
+    """The HF tensor name of one of our parameters, and whether it is stored transposed."""
+    name = path_name(path)
+    if name.startswith("lm_head."):
+        return "lm_head.weight", True
+    transpose = name.endswith(".kernel")
+    if transpose:
+        name = name[: -len(".kernel")] + ".weight"
+    elif name == "embed_tokens":
+        name = "embed_tokens.weight"
+    return "model." + name, transpose
+
+
+class SafetensorsCheckpoint:
+    """The tensors of one checkpoint directory: model.safetensors or an indexed set of shards."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        index = self.directory / "model.safetensors.index.json"
+        single = self.directory / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {key: self.directory / name for key, name in weight_map.items()}
+        elif single.is_file():
+            with safe_open(single, framework="np") as f:
+                self.files = {key: single for key in f.keys()}  # noqa: SIM118 (not a dict)
+        else:
+            raise FileNotFoundError(
+                f"no model.safetensors or model.safetensors.index.json in {str(self.directory)!r}"
+            )
+        missing = sorted({str(p) for p in self.files.values() if not p.is_file()})
+        if missing:
+            raise FileNotFoundError(
+                f"safetensors shards listed in the index are missing: {missing}"
+            )
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def get(self, key: str) -> np.ndarray:
+        if key not in self.files:
+            raise KeyError(f"tensor {key!r} is not in the checkpoint at {str(self.directory)!r}")
+        with safe_open(self.files[key], framework="np") as f:
+            return f.get_tensor(key)
+
+
+def _lora_value(path: Sequence[object], shape: tuple[int, ...], dtype, seed: int) -> jax.Array:
+    if path[-1] == "lora_b":
+        return jnp.zeros(shape, dtype)
+    key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path_name(path).encode()))
+    bound = 1.0 / shape[0] ** 0.5  # PEFT's kaiming-uniform(a=sqrt(5)) on fan_in
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+
+def iter_params(state: nnx.State) -> Iterator[tuple[tuple, nnx.Variable]]:
+    yield from nnx.to_flat_state(state)
+
+
+def from_pretrained(
+    path: str | Path,
+    *,
+    dtype: jnp.dtype = jnp.bfloat16,
+    lora: LoRAConfig | None = None,
+    mesh: Mesh | None = None,
+    lora_seed: int = 0,
+) -> Decoder:
+    """A Decoder with the checkpoint's weights (cast to `dtype`) and a fresh LoRA adapter.
+
+    Nothing is materialised twice: the model is built abstractly, then each tensor is read and
+    placed on its devices (its shards only, with a mesh).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+    cfg = ModelConfig.from_file(path / "config.json")
+    checkpoint = SafetensorsCheckpoint(path)
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, lora=lora, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    used, loaded = set(), []
+    for param_path, var in iter_params(state):
+        shape, want_dtype = var.get_value().shape, var.get_value().dtype
+        if isinstance(var, nnx.LoRAParam):
+            value = _lora_value(param_path, shape, want_dtype, lora_seed)
+        elif isinstance(var, nnx.Param):
+            key, transpose = hf_key(param_path)
+            tensor = checkpoint.get(key)
+            expected = shape[::-1] if transpose else shape
+            if tensor.shape != expected:
+                raise ValueError(
+                    f"tensor {key!r} has shape {tensor.shape}, expected {expected} for {cfg}"
+                )
+            tensor = tensor.T if transpose else tensor
+            value = np.asarray(tensor).astype(want_dtype)
+            used.add(key)
+        else:
+            value = var.get_value()
+        if mesh is not None:
+            value = jax.device_put(value, param_sharding(param_path, shape, mesh))
+        else:
+            value = jnp.asarray(value)
+        loaded.append((param_path, var.replace(value)))
+    unused = [
+        k
+        for k in checkpoint.names()
+        if k not in used
+        and not k.endswith(IGNORED_SUFFIXES)
+        and not (cfg.tie_word_embeddings and k == "lm_head.weight")
+    ]
+    if unused:
+        raise ValueError(
+            f"checkpoint tensors with no place in a {cfg.model_type} model: {unused[:8]}"
+        )
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))

@@ -1,0 +1,108 @@
+"""Partition rules for every parameter (LoRA included) and the KV cache on a 3-axis mesh.
+
+Column-parallel projections (q, k, v, gate, up, lm_head) split their output over `tensor` and their
+input over `fsdp`; row-parallel ones (o, down) the reverse; LoRA factors follow their layer; norms
+are replicated; the batch of activations and caches splits over (data, fsdp).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")
+_COLUMN = r"(q_proj|k_proj|v_proj|gate_proj|up_proj)"
+_ROW = r"(o_proj|down_proj)"
+RULES: tuple[tuple[str, P], ...] = (
+    (r"^embed_tokens$", P("tensor", "fsdp")),
+    (r"^lm_head\.kernel$", P("fsdp", "tensor")),
+    (rf"\.{_COLUMN}\.kernel$", P("fsdp", "tensor")),
+    (rf"\.{_ROW}\.kernel$", P("tensor", "fsdp")),
+    (rf"\.{_COLUMN}\.bias$", P("tensor")),
+    (rf"\.{_COLUMN}\.lora_a$", P("fsdp", None)),
+    (rf"\.{_COLUMN}\.lora_b$", P(None, "tensor")),
+    (rf"\.{_ROW}\.lora_a$", P("tensor", None)),
+    (rf"\.{_ROW}\.lora_b$", P(None, "fsdp")),
+    (r"norm\.weight$", P()),
+    (r"\.count$|\.key$", P()),  # dropout RNG state
+)
+
+
+def make_mesh(
+    shape: Sequence[int] | None = None, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """A (data, fsdp, tensor) mesh; by default every device on the fsdp axis."""
+    devices = list(devices if devices is not None else jax.devices())
+    shape = tuple(shape) if shape is not None else (1, len(devices), 1)
+    if len(shape) != 3 or int(np.prod(shape)) != len(devices):
+        raise ValueError(
+            f"mesh shape {shape} must have 3 axes {AXES} covering {len(devices)} devices"
+        )
+    return Mesh(np.asarray(devices).reshape(shape), AXES)
+
+
+def path_name(path: Sequence[object]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def param_spec(path: Sequence[object]) -> P:
+    name = path_name(path)
+    for pattern, spec in RULES:
+        if re.search(pattern, name):
+            return spec
+    raise ValueError(f"no partition rule for parameter {name!r}; add one to models.sharding.RULES")
+
+
+def _checked(name: str, shape: Sequence[int], spec: P, mesh: Mesh) -> NamedSharding:
+    for dim, axes in zip(shape, spec, strict=False):
+        if axes is None:
+            continue
+        size = int(np.prod([mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,))]))
+        if dim % size:
+            raise ValueError(
+                f"{name}: dimension {dim} of shape {tuple(shape)} does not divide over mesh axes "
+                f"{axes} of size {size}"
+            )
+    return NamedSharding(mesh, spec)
+
+
+def param_sharding(path: Sequence[object], shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+    return _checked(path_name(path), shape, param_spec(path), mesh)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
+    """A NamedSharding for every leaf of a model state, same tree structure."""
+    flat = nnx.to_flat_state(state)
+    shardings = [
+        (path, var.replace(param_sharding(path, var.get_value().shape, mesh))) for path, var in flat
+    ]
+    return nnx.from_flat_state(shardings)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """Place every parameter of `model` on `mesh` by the rules (in place)."""
+    state = nnx.state(model)
+    placed = jax.tree.map(jax.device_put, state, state_shardings(state, mesh))
+    nnx.update(model, placed)
+    return model
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Leading batch axis over (data, fsdp), the rest replicated."""
+    return NamedSharding(mesh, P(BATCH, *([None] * (ndim - 1))))
+
+
+def cache_sharding(mesh: Mesh) -> NamedSharding:
+    """KV cache [B, S, K, Dh]: batch over (data, fsdp), kv heads over tensor."""
+    return NamedSharding(mesh, P(BATCH, None, "tensor", None))
+
+
+def batch_multiple(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
