@@ -59,7 +59,9 @@ def test_left_padded_ragged_batch_matches_hf(checkpoints, name):
     np.testing.assert_array_equal(np.asarray(explicit), np.asarray(got))
 
 
-BF16_RELATIVE = 0.08  # bf16 has 8 mantissa bits; errors compound over 2 layers and the head
+# bf16 keeps 8 mantissa bits. Measured on these checkpoints: ours-bf16 vs HF-bf16 <= 0.078 x
+# max(1, |logit|), while HF-bf16 vs HF-float32 is itself up to 0.114; the bound sits between.
+BF16_RELATIVE = 0.1
 
 
 @pytest.mark.parametrize("name", ["llama31", "qwen3_tied"])

@@ -1,0 +1,272 @@
+"""The jitted sampler: prefill + a KV-cache decode loop, ragged prompts, per-row stop (DESIGN 6).
+
+Prompts are left-padded into a [B, P] bucket so every row's last prompt token sits in slot P-1 and
+decode step i writes slot P+i-1 for all rows at once; RoPE positions count real tokens only.
+Prefill runs the lm_head on the last position only. The decode loop is one `lax.while_loop` that
+stops when every row is done or `max_new_tokens` is reached; the cache is donated into it.
+Batch, prompt and generation lengths are rounded up to powers of two, so a run compiles a bounded
+number of times; `max_new_tokens` and `temperature` are traced values and never recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Literal
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from models.decoder import Decoder, KVCache
+from models.sharding import batch_multiple, batch_sharding, cache_sharding
+
+MIN_LENGTH_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]  # log-softmax of logits / temperature (T=1 when greedy), full vocab
+    finish_reason: Literal["stop", "length"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """The static part of sampling: changing it recompiles."""
+
+    greedy: bool
+    top_k: int
+    top_p: float
+    eos_token_ids: tuple[int, ...]
+
+
+@flax.struct.dataclass
+class DecodeState:
+    step: jax.Array  # [] tokens generated so far
+    tokens: jax.Array  # [B, N]
+    logprobs: jax.Array  # [B, N]
+    lengths: jax.Array  # [B]
+    done: jax.Array  # [B]
+    cache: KVCache
+    key: jax.Array
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The next power of two >= max(n, minimum)."""
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def _sample(
+    logits: jax.Array, key: jax.Array, temperature: jax.Array, params: SamplingParams
+) -> tuple[jax.Array, jax.Array]:  # logits [B, V] -> token [B], logprob [B]
+    logits = logits.astype(jnp.float32)
+    if params.greedy:
+        token = jnp.argmax(logits, axis=-1)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        scaled = logits / temperature
+        logp = jax.nn.log_softmax(scaled, axis=-1)
+        filtered = scaled
+        if params.top_k > 0:
+            kth = jax.lax.top_k(scaled, params.top_k)[0][:, -1:]
+            filtered = jnp.where(scaled < kth, -jnp.inf, filtered)
+        if params.top_p < 1.0:
+            ordered = jnp.sort(filtered, axis=-1)[:, ::-1]
+            probs = jax.nn.softmax(ordered, axis=-1)
+            before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+            kept = jnp.where(before < params.top_p, ordered, jnp.inf)
+            threshold = jnp.min(kept, axis=-1, keepdims=True)
+            filtered = jnp.where(filtered < threshold, -jnp.inf, filtered)
+        token = jax.random.categorical(key, filtered, axis=-1)
+    return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+def _attend_mask(valid: jax.Array, first_slot: jax.Array | int, length: int) -> jax.Array:
+    """[B, T, S]: query slot first_slot + t sees filled slots up to itself."""
+    slots = jnp.arange(valid.shape[1])
+    query = first_slot + jnp.arange(length)
+    return (slots[None, :] <= query[:, None])[None] & valid[:, None, :]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "slots", "params", "mesh"))
+def _prefill(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokens: jax.Array,  # [B, P]
+    valid: jax.Array,  # [B, P]
+    key: jax.Array,
+    temperature: jax.Array,
+    slots: int,
+    params: SamplingParams,
+    mesh: Mesh | None,
+) -> tuple[jax.Array, jax.Array, KVCache, jax.Array]:
+    model: Decoder = nnx.merge(graphdef, state)
+    batch, prompt = tokens.shape
+    cache = model.init_cache(batch, slots)
+    if mesh is not None:
+        cache = jax.lax.with_sharding_constraint(cache, _cache_shardings(cache, mesh))
+    cache = cache.replace(valid=cache.valid.at[:, :prompt].set(valid))
+    positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0)
+    mask = _attend_mask(cache.valid, 0, prompt)
+    hidden, cache = model.hidden_states(tokens, positions, mask, cache, slot=0)
+    logits = model.logits(hidden[:, -1])  # last position only: [B, V]
+    token, logprob = _sample(logits, jax.random.fold_in(key, 0), temperature, params)
+    return token, logprob, cache, positions[:, -1] + 1
+
+
+def _cache_shardings(cache: KVCache, mesh: Mesh):
+    kv = cache_sharding(mesh)
+    return KVCache(layers=jax.tree.map(lambda _: kv, cache.layers), valid=batch_sharding(mesh, 2))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "params", "new_bucket"), donate_argnames=("cache",)
+)
+def _decode(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    first_token: jax.Array,  # [B]
+    first_logprob: jax.Array,  # [B]
+    cache: KVCache,
+    next_position: jax.Array,  # [B] position of the first generated token
+    live: jax.Array,  # [B] False for batch padding rows
+    key: jax.Array,
+    temperature: jax.Array,
+    max_new_tokens: jax.Array,
+    params: SamplingParams,
+    new_bucket: int,
+) -> DecodeState:
+    model: Decoder = nnx.merge(graphdef, state)
+    batch = first_token.shape[0]
+    prompt_slots = cache.valid.shape[1] - new_bucket
+    eos = jnp.asarray(params.eos_token_ids or (-1,), jnp.int32)
+    init = DecodeState(
+        step=jnp.array(1, jnp.int32),
+        tokens=jnp.zeros((batch, new_bucket), jnp.int32).at[:, 0].set(first_token),
+        logprobs=jnp.zeros((batch, new_bucket), jnp.float32).at[:, 0].set(first_logprob),
+        lengths=jnp.ones((batch,), jnp.int32),
+        done=~live | jnp.isin(first_token, eos),
+        cache=cache,
+        key=key,
+    )
+
+    def cond(s: DecodeState) -> jax.Array:
+        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+    def body(s: DecodeState) -> DecodeState:
+        slot = prompt_slots + s.step - 1  # where the previous token goes
+        previous = s.tokens[:, s.step - 1]
+        cache = s.cache.replace(valid=s.cache.valid.at[:, slot].set(True))
+        positions = (next_position + s.step - 1)[:, None]
+        mask = _attend_mask(cache.valid, slot, 1)
+        hidden, cache = model.hidden_states(previous[:, None], positions, mask, cache, slot=slot)
+        logits = model.logits(hidden[:, 0])
+        token, logprob = _sample(logits, jax.random.fold_in(s.key, s.step), temperature, params)
+        token = jnp.where(s.done, 0, token)
+        logprob = jnp.where(s.done, 0.0, logprob)
+        return DecodeState(
+            step=s.step + 1,
+            tokens=s.tokens.at[:, s.step].set(token),
+            logprobs=s.logprobs.at[:, s.step].set(logprob),
+            lengths=s.lengths + (~s.done).astype(jnp.int32),
+            done=s.done | jnp.isin(token, eos),
+            cache=cache,
+            key=s.key,
+        )
+
+    return jax.lax.while_loop(cond, body, init)
+
+
+def _check_arguments(prompts, vocab, max_new_tokens, temperature, top_p, top_k) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0 or top_k > vocab:
+        raise ValueError(f"top_k must be in [0, {vocab}], got {top_k}")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+
+
+def generate(
+    model: Decoder,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_token_ids: Sequence[int] = (),
+    seed: int = 0,
+    mesh: Mesh | None = None,
+) -> list[Completion]:
+    """Sample a completion for every prompt; temperature 0 is greedy. See the module doc."""
+    if not prompts:
+        return []
+    vocab = model.config.vocab_size
+    _check_arguments(prompts, vocab, max_new_tokens, temperature, top_p, top_k)
+    n = len(prompts)
+    multiple = batch_multiple(mesh)
+    batch = -(-bucket(n) // multiple) * multiple
+    prompt_len = bucket(max(len(p) for p in prompts), MIN_LENGTH_BUCKET)
+    new_bucket = bucket(max_new_tokens, MIN_LENGTH_BUCKET)
+    tokens = np.zeros((batch, prompt_len), np.int32)
+    valid = np.zeros((batch, prompt_len), bool)
+    for i, prompt in enumerate(prompts):
+        tokens[i, prompt_len - len(prompt) :] = prompt
+        valid[i, prompt_len - len(prompt) :] = True
+    valid[n:, -1] = True  # batch padding rows: one dummy token, never reported
+    live = np.arange(batch) < n
+    if mesh is not None:
+        tokens, valid, live = (
+            jax.device_put(a, batch_sharding(mesh, a.ndim)) for a in (tokens, valid, live)
+        )
+    params = SamplingParams(
+        greedy=temperature == 0,
+        top_k=int(top_k),
+        top_p=float(top_p),
+        eos_token_ids=tuple(sorted({int(t) for t in eos_token_ids})),
+    )
+    key = jax.random.key(seed)
+    temp = jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32)
+    graphdef, state = nnx.split(model)
+    first, first_logprob, cache, next_position = _prefill(
+        graphdef, state, tokens, valid, key, temp, prompt_len + new_bucket, params, mesh
+    )
+    final = _decode(
+        graphdef,
+        state,
+        first,
+        first_logprob,
+        cache,
+        next_position,
+        jnp.asarray(live),
+        key,
+        temp,
+        jnp.asarray(max_new_tokens, jnp.int32),
+        params,
+        new_bucket,
+    )
+    out_tokens, out_logprobs, lengths = jax.device_get(
+        (final.tokens, final.logprobs, final.lengths)
+    )
+    eos = set(params.eos_token_ids)
+    completions = []
+    for i in range(n):
+        ids = out_tokens[i, : lengths[i]].tolist()
+        stopped = bool(ids) and ids[-1] in eos
+        completions.append(
+            Completion(ids, out_logprobs[i, : lengths[i]].tolist(), "stop" if stopped else "length")
+        )
+    return completions
