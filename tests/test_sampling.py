@@ -1,0 +1,159 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from mmgrpo_jax import sampling
+from mmgrpo_jax.sampling import generate
+from models.hf import from_pretrained
+from tests.models.hf_fixtures import VOCAB, load_hf
+
+RNG = np.random.default_rng(0)
+PROMPTS = [RNG.integers(0, VOCAB, n).tolist() for n in (5, 12, 1, 20)]
+
+
+@pytest.fixture(scope="module", params=["llama31", "qwen2_bias"])
+def pair(request, checkpoints):
+    directory = checkpoints[request.param]
+    return from_pretrained(directory, dtype=jnp.float32), load_hf(directory)
+
+
+def hf_greedy(hf, prompts, max_new_tokens):
+    """HF generate on the left-padded batch: tokens and log-softmax of the raw logits."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[:, width:].numpy()
+    logps = torch.stack(out.logits, 1).float().log_softmax(-1).numpy()
+    return tokens, np.take_along_axis(logps, tokens[..., None], -1)[..., 0]
+
+
+def test_greedy_ragged_batch_equals_single_prompts_and_hf(pair):
+    model, hf = pair
+    batch = generate(model, PROMPTS, max_new_tokens=10, temperature=0)
+    singles = [generate(model, [p], max_new_tokens=10, temperature=0)[0] for p in PROMPTS]
+    want_tokens, want_logps = hf_greedy(hf, PROMPTS, 10)
+    for i, (b, s) in enumerate(zip(batch, singles, strict=True)):
+        assert b.token_ids == s.token_ids == want_tokens[i].tolist()
+        assert b.finish_reason == "length" and len(b.logprobs) == 10
+        np.testing.assert_allclose(b.logprobs, want_logps[i], atol=1e-4)
+        np.testing.assert_allclose(b.logprobs, s.logprobs, atol=1e-5)
+
+
+def test_max_new_tokens_one(pair):
+    model, hf = pair
+    out = generate(model, PROMPTS, max_new_tokens=1, temperature=0)
+    want, _ = hf_greedy(hf, PROMPTS, 1)
+    assert [c.token_ids for c in out] == want.tolist()
+    assert {c.finish_reason for c in out} == {"length"}
+    stop = generate(model, PROMPTS[:1], max_new_tokens=1, temperature=0, eos_token_ids=want[0])
+    assert stop[0].finish_reason == "stop" and stop[0].token_ids == want[0].tolist()
+
+
+def test_eos_stops_one_row_while_others_continue(pair):
+    model, _ = pair
+    free = generate(model, PROMPTS, max_new_tokens=12, temperature=0)
+    eos = free[0].token_ids[3]
+    stopped_at = free[0].token_ids.index(eos)
+    out = generate(model, PROMPTS, max_new_tokens=12, temperature=0, eos_token_ids=[eos])
+    assert out[0].token_ids == free[0].token_ids[: stopped_at + 1]
+    assert out[0].finish_reason == "stop" and len(out[0].logprobs) == stopped_at + 1
+    for got, want in zip(out[1:], free[1:], strict=True):
+        if eos in want.token_ids:
+            cut = want.token_ids.index(eos) + 1
+            assert (got.token_ids, got.finish_reason) == (want.token_ids[:cut], "stop")
+        else:
+            assert (got.token_ids, got.finish_reason) == (want.token_ids, "length")
+    assert any(c.finish_reason == "length" for c in out)  # some row really continued
+
+
+def test_sampled_logprobs_equal_a_teacher_forced_forward(pair):
+    model, _ = pair
+    temperature = 0.7
+    out = generate(model, PROMPTS, max_new_tokens=9, temperature=temperature, seed=3)
+    for prompt, completion in zip(PROMPTS, out, strict=True):
+        ids = jnp.asarray([prompt + completion.token_ids])
+        logits = np.asarray(model(ids))[0, len(prompt) - 1 : -1] / temperature
+        logps = jax.nn.log_softmax(logits, -1)
+        want = np.take_along_axis(np.asarray(logps), np.array(completion.token_ids)[:, None], 1)
+        np.testing.assert_allclose(completion.logprobs, want[:, 0], atol=1e-4)
+
+
+def test_seeds_reproduce_and_differ_and_filters_narrow(pair):
+    model, _ = pair
+    a = generate(model, PROMPTS, max_new_tokens=8, seed=1)
+    b = generate(model, PROMPTS, max_new_tokens=8, seed=1)
+    c = generate(model, PROMPTS, max_new_tokens=8, seed=2)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+    greedy = [x.token_ids for x in generate(model, PROMPTS, max_new_tokens=8, temperature=0)]
+    top1 = generate(model, PROMPTS, max_new_tokens=8, top_k=1, seed=5)
+    tiny_p = generate(model, PROMPTS, max_new_tokens=8, top_p=1e-6, seed=6)
+    assert [x.token_ids for x in top1] == greedy == [x.token_ids for x in tiny_p]
+
+
+def test_top_k_and_top_p_keep_samples_inside_the_allowed_set(pair):
+    model, _ = pair
+    prompt = PROMPTS[1]
+    logits = np.asarray(model(jnp.asarray([prompt])))[0, -1]
+    top5 = set(np.argsort(logits)[-5:].tolist())
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    nucleus = set(order[: int(np.searchsorted(np.cumsum(probs[order]), 0.5)) + 1].tolist())
+    for seed in range(12):
+        [k] = generate(model, [prompt], max_new_tokens=1, top_k=5, seed=seed)
+        [p] = generate(model, [prompt], max_new_tokens=1, top_p=0.5, seed=seed)
+        assert k.token_ids[0] in top5 and p.token_ids[0] in nucleus
+
+
+def test_compiles_a_bounded_number_of_times(checkpoints):
+    model = from_pretrained(checkpoints["qwen3_tied"], dtype=jnp.float32)
+    sampling._prefill.clear_cache()
+    sampling._decode.clear_cache()
+    rng = np.random.default_rng(1)
+    shapes = set()
+    for _ in range(20):
+        batch, longest = int(rng.integers(1, 7)), int(rng.integers(1, 41))
+        prompts = [
+            rng.integers(0, VOCAB, rng.integers(1, longest + 1)).tolist() for _ in range(batch)
+        ]
+        generate(model, prompts, max_new_tokens=int(rng.integers(1, 9)), temperature=0)
+        shapes.add((sampling.bucket(batch), sampling.bucket(max(map(len, prompts)), 16)))
+    # batch buckets {1, 2, 4, 8} x prompt buckets {16, 32, 64}: at most 12, one per shape seen
+    assert sampling._prefill._cache_size() == len(shapes) <= 12
+    assert sampling._decode._cache_size() == len(shapes)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+        ({"top_k": -1}, "top_k must be in"),
+        ({"prompts": [[1], []]}, "prompt 1 is empty"),
+        ({"prompts": [[1, VOCAB]]}, f"outside \\[0, {VOCAB}\\): \\[{VOCAB}\\]"),
+    ],
+)
+def test_bad_arguments_name_the_value(pair, kwargs, message):
+    model, _ = pair
+    kwargs = {"prompts": [[1, 2]], "max_new_tokens": 2, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        generate(model, kwargs.pop("prompts"), **kwargs)
+
+
+def test_empty_prompt_list_returns_nothing(pair):
+    assert generate(pair[0], [], max_new_tokens=3) == []
