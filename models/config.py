@@ -10,6 +10,11 @@ from typing import Any, Literal
 
 ModelType = Literal["llama", "qwen2", "qwen3"]
 MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +117,36 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json at {str(path)!r}")
         return cls.from_hf(json.loads(path.read_text()))
+
+    def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
+        """A config.json dict transformers loads (transformers-5 layout)."""
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope = {
+                "rope_type": "llama3",
+                "rope_theta": self.rope_theta,
+                **dataclasses.asdict(self.rope_scaling),
+            }
+        return {
+            "architectures": [ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+            "dtype": dtype,
+        }
 
     def num_params(self) -> int:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size

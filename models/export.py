@@ -1,0 +1,134 @@
+"""Adapters and merged weights out to (and adapters back from) the formats PEFT, vLLM and HF read.
+
+PEFT stores lora_A as [r, in] and lora_B as [out, r] under
+``base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight``; ours are [in, r]
+and [r, out], so both are transposed. Merged checkpoints hold W + (alpha/r) A B in HF names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from models.decoder import Decoder
+from models.hf import hf_key
+from models.lora import Linear, LoRAConfig
+from models.sharding import path_name
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def _lora_layers(model: Decoder) -> list[tuple[tuple, Linear]]:
+    return [
+        (path, node)
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, Linear) and node.lora is not None
+    ]
+
+
+def peft_key(path: tuple, factor: str) -> str:
+    """PEFT name of a LoRA factor ('A' or 'B') of the Linear at `path`."""
+    return f"base_model.model.model.{path_name(path)}.lora_{factor}.weight"
+
+
+def save_peft_adapter(model: Decoder, directory: str | Path, base_model: str = "") -> Path:
+    lora = _require_lora(model)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path, layer in _lora_layers(model):
+        tensors[peft_key(path, "A")] = np.asarray(jax.device_get(layer.lora_a[...])).T.copy()
+        tensors[peft_key(path, "B")] = np.asarray(jax.device_get(layer.lora_b[...])).T.copy()
+    save_file(tensors, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted(lora.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def load_peft_adapter(model: Decoder, directory: str | Path) -> Decoder:
+    """Copy a PEFT adapter into `model`'s LoRA parameters (in place; sharding kept)."""
+    lora = _require_lora(model)
+    directory = Path(directory)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"no {name} in {str(directory)!r}")
+    config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    found = {
+        "r": config.get("r"),
+        "lora_alpha": config.get("lora_alpha"),
+        "target_modules": sorted(config.get("target_modules") or []),
+    }
+    wanted = {"r": lora.rank, "lora_alpha": lora.alpha, "target_modules": sorted(lora.targets)}
+    if found != wanted:
+        raise ValueError(f"adapter config {found} does not match the model's LoRAConfig {wanted}")
+    tensors = load_file(directory / ADAPTER_WEIGHTS)
+    for path, layer in _lora_layers(model):
+        for factor, param in (("A", layer.lora_a), ("B", layer.lora_b)):
+            key = peft_key(path, factor)
+            if key not in tensors:
+                raise KeyError(f"adapter tensor {key!r} is missing from {str(directory)!r}")
+            value = tensors.pop(key).T
+            current = param[...]
+            if value.shape != current.shape:
+                raise ValueError(
+                    f"adapter tensor {key!r} has shape {value.shape[::-1]}, "
+                    f"expected {current.shape[::-1]}"
+                )
+            param[...] = jax.device_put(jnp.asarray(value, current.dtype), current.sharding)
+    if tensors:
+        raise ValueError(f"adapter tensors with no LoRA layer in the model: {sorted(tensors)[:8]}")
+    return model
+
+
+def merged_tensors(model: Decoder) -> dict[str, np.ndarray]:
+    """Every base weight in HF names with LoRA folded in: W + (alpha/r) A B."""
+    tensors = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Linear):
+            key, _ = hf_key((*path, "kernel"))
+            tensors[key] = np.asarray(jax.device_get(node.merged_kernel())).T.copy()
+            if node.bias is not None:
+                tensors[hf_key((*path, "bias"))[0]] = np.asarray(jax.device_get(node.bias[...]))
+    base = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    for path, var in nnx.to_flat_state(base):
+        key = hf_key(path)[0]
+        if key not in tensors and path[-1] != "kernel":
+            tensors[key] = np.asarray(jax.device_get(var.get_value()))
+    return tensors
+
+
+def save_merged(model: Decoder, directory: str | Path) -> Path:
+    """An HF checkpoint (config.json + model.safetensors) of the merged model."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = jnp.dtype(model.dtype).name
+    (directory / "config.json").write_text(json.dumps(model.config.to_hf(dtype), indent=2))
+    save_file(merged_tensors(model), directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def _require_lora(model: Decoder) -> LoRAConfig:
+    if model.lora is None:
+        raise ValueError("the model has no LoRA adapter; build it with lora=LoRAConfig(...)")
+    return model.lora

@@ -1,0 +1,123 @@
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+from flax import nnx
+
+from models.export import load_peft_adapter, save_merged, save_peft_adapter
+from models.hf import from_pretrained
+from models.lora import LoRAConfig
+from tests.models.hf_fixtures import VOCAB, load_hf
+
+IDS = np.random.default_rng(1).integers(0, VOCAB, (2, 11))
+LORA = LoRAConfig(rank=4, alpha=8.0)
+
+
+@nnx.jit(static_argnames="use_lora")
+def logits(model, ids, use_lora=True):
+    return model(ids, use_lora=use_lora)
+
+
+def perturb(model, seed=0, scale=0.2):
+    """Random A and B, large enough to move the logits by O(1)."""
+    state = nnx.state(model, nnx.LoRAParam)
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    new = [
+        scale * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)
+    ]
+    nnx.update(model, jax.tree.unflatten(tree, new))
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama31", "qwen3_tied"])
+def directory(request, checkpoints):
+    return checkpoints[request.param]
+
+
+def test_fresh_adapter_leaves_logits_identical(directory):
+    base = from_pretrained(directory, dtype=jnp.float32)
+    adapted = from_pretrained(directory, dtype=jnp.float32, lora=LORA)
+    np.testing.assert_array_equal(logits(adapted, IDS), logits(base, IDS))
+    b = [
+        x
+        for path, x in nnx.to_flat_state(nnx.state(adapted, nnx.LoRAParam))
+        if path[-1] == "lora_b"
+    ]
+    assert b and all(not np.any(v.get_value()) for v in b)
+
+
+def test_lora_params_are_typed_and_filterable(directory):
+    model = from_pretrained(
+        directory, dtype=jnp.float32, lora=LoRAConfig(rank=2, targets=("q_proj", "v_proj"))
+    )
+    lora = nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))
+    base = nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
+    assert {p[-2] for p, _ in lora} == {"q_proj", "v_proj"}
+    assert len(lora) == 2 * 2 * model.config.num_layers
+    assert not any(p[-1].startswith("lora") for p, _ in base)
+    q = model.layers[0].self_attn.q_proj
+    assert q.lora_a[...].shape == (model.config.hidden_size, 2)
+    bound = 1 / model.config.hidden_size**0.5
+    assert 0.5 * bound < np.abs(np.asarray(q.lora_a[...])).max() <= bound  # PEFT kaiming init
+
+
+def test_lora_off_is_the_base_model_and_merge_matches(directory, tmp_path):
+    base = from_pretrained(directory, dtype=jnp.float32)
+    model = perturb(from_pretrained(directory, dtype=jnp.float32, lora=LORA))
+    on, off = np.asarray(logits(model, IDS)), np.asarray(logits(model, IDS, use_lora=False))
+    assert np.abs(on - off).max() > 0.1
+    np.testing.assert_array_equal(off, np.asarray(logits(base, IDS)))
+    merged = from_pretrained(save_merged(model, tmp_path / "merged"), dtype=jnp.float32)
+    np.testing.assert_allclose(
+        np.asarray(logits(merged, IDS)), on, atol=2e-4 * max(1, np.abs(on).max())
+    )
+
+
+def test_merged_checkpoint_loads_in_transformers(directory, tmp_path):
+    model = perturb(from_pretrained(directory, dtype=jnp.float32, lora=LORA))
+    hf = load_hf(save_merged(model, tmp_path / "merged"))
+    with torch.no_grad():
+        want = hf(torch.tensor(IDS)).logits.numpy()
+    got = np.asarray(logits(model, IDS))
+    np.testing.assert_allclose(got, want, atol=2e-4 * max(1, np.abs(want).max()))
+
+
+def test_peft_adapter_loads_with_peft_and_gives_the_same_logits(directory, tmp_path):
+    model = perturb(from_pretrained(directory, dtype=jnp.float32, lora=LORA))
+    adapter = save_peft_adapter(model, tmp_path / "adapter", base_model=str(directory))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+    hf = peft.PeftModel.from_pretrained(load_hf(directory), adapter).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor(IDS)).logits.numpy()
+    got = np.asarray(logits(model, IDS))
+    np.testing.assert_allclose(got, want, atol=2e-4 * max(1, np.abs(want).max()))
+
+
+def test_peft_adapter_round_trips(directory, tmp_path):
+    model = perturb(from_pretrained(directory, dtype=jnp.float32, lora=LORA), seed=4)
+    adapter = save_peft_adapter(model, tmp_path / "adapter")
+    fresh = load_peft_adapter(from_pretrained(directory, dtype=jnp.float32, lora=LORA), adapter)
+    np.testing.assert_array_equal(logits(fresh, IDS), logits(model, IDS))
+    other = from_pretrained(directory, dtype=jnp.float32, lora=LoRAConfig(rank=8))
+    with pytest.raises(ValueError, match="does not match the model's LoRAConfig"):
+        load_peft_adapter(other, adapter)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rank": 0}, "rank must be >= 1, got 0"),
+        ({"alpha": 0}, "alpha must be > 0, got 0"),
+        ({"targets": ("q_proj", "lm_head")}, "targets must be a non-empty subset"),
+        ({"dropout": 1.0}, r"dropout must be in \[0, 1\), got 1.0"),
+    ],
+)
+def test_bad_lora_configs(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LoRAConfig(**kwargs)
