@@ -1,0 +1,108 @@
+"""Tokenizers and chat templates from local files, and small ones built from scratch.
+
+Prompts are rendered by the checkpoint's own chat template to text, then encoded without adding
+special tokens again (the template already holds BOS), which is what vLLM and TRL do.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+# Jinja chat templates of the two families we support, reduced to what the programs use.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' "
+    "+ message['content'] + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+TEMPLATES = {
+    "chatml": (
+        CHATML_TEMPLATE,
+        ("<|im_start|>", "<|im_end|>", "<|endoftext|>"),
+        "<|im_end|>",
+        None,
+    ),
+    "llama3": (
+        LLAMA3_TEMPLATE,
+        (
+            "<|begin_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+            "<|end_of_text|>",
+        ),
+        "<|eot_id|>",
+        "<|begin_of_text|>",
+    ),
+}
+
+HFTokenizer = transformers.PreTrainedTokenizerBase
+
+
+def load_tokenizer(path: str | Path) -> HFTokenizer:
+    """The tokenizer of a local checkpoint directory; it must carry a chat template."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if not tokenizer.chat_template:
+        raise ValueError(f"the tokenizer in {str(path)!r} has no chat_template")
+    return tokenizer
+
+
+def chat_prompt_ids(tokenizer: HFTokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of the chat prompt for `messages`, ending where the assistant's reply starts."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stop_token_ids(tokenizer: HFTokenizer, path: str | Path | None = None) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (int or list) when present, plus the tokenizer's EOS."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    config = Path(path) / "generation_config.json" if path is not None else None
+    if config is not None and config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    if not ids:
+        raise ValueError("no stop tokens: the tokenizer has no eos_token and no generation_config")
+    return tuple(sorted(ids))
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str], vocab_size: int, template: str = "chatml"
+) -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE trained on `texts`, with the family's special tokens and chat template."""
+    if template not in TEMPLATES:
+        raise ValueError(f"template must be one of {sorted(TEMPLATES)}, got {template!r}")
+    chat_template, specials, eos, bos = TEMPLATES[template]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(texts, trainer)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=eos, bos_token=bos, pad_token=eos
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
