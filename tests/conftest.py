@@ -1,6 +1,13 @@
-import pytest
+import os
 
-from tests.models.hf_fixtures import CHECKPOINTS, write_checkpoint
+# Eight fake CPU devices for the sharding tests; set before anything imports jax.
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+
+import pytest  # noqa: E402
+
+from tests.models.hf_fixtures import CHECKPOINTS, write_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

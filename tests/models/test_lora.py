@@ -28,7 +28,8 @@ def perturb(model, seed=0, scale=0.2):
     leaves, tree = jax.tree.flatten(state)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     new = [
-        scale * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)
+        jax.device_put(scale * jax.random.normal(k, x.shape, x.dtype), x.sharding)
+        for k, x in zip(keys, leaves, strict=True)
     ]
     nnx.update(model, jax.tree.unflatten(tree, new))
     return model
