@@ -100,8 +100,8 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:
-    """KV cache [B, S, K, Dh]: batch over (data, fsdp), kv heads over tensor."""
-    return NamedSharding(mesh, P(BATCH, None, "tensor", None))
+    """KV cache, keys [B, K, Dh, S] and values [B, K, S, Dh]: B over (data, fsdp), K over tensor."""
+    return NamedSharding(mesh, P(BATCH, "tensor", None, None))
 
 
 def batch_multiple(mesh: Mesh | None) -> int:

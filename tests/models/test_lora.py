@@ -43,7 +43,10 @@ def directory(request, checkpoints):
 def test_fresh_adapter_leaves_logits_identical(directory):
     base = from_pretrained(directory, dtype=jnp.float32)
     adapted = from_pretrained(directory, dtype=jnp.float32, lora=LORA)
-    np.testing.assert_array_equal(logits(adapted, IDS), logits(base, IDS))
+    # B = 0 adds exact zeros: eager logits are identical; jitted, the two programs may fuse
+    # their matmuls differently (measured 1.5e-6 on logits of magnitude 5).
+    np.testing.assert_allclose(logits(adapted, IDS), logits(base, IDS), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(adapted(jnp.asarray(IDS)), base(jnp.asarray(IDS)))  # eager
     b = [
         x
         for path, x in nnx.to_flat_state(nnx.state(adapted, nnx.LoRAParam))
