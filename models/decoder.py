@@ -68,11 +68,12 @@ class Attention(nnx.Module):
         cache: LayerCache | None,
         slot: jax.Array | int,  # first cache slot written by these T positions
         use_lora: bool,
+        rngs: nnx.Rngs | None,  # LoRA dropout during training; None disables it
     ) -> tuple[jax.Array, LayerCache | None]:
         b, t, _ = x.shape
-        q = self.q_proj(x, use_lora).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x, use_lora).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, use_lora).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x, use_lora, rngs).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, use_lora, rngs).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, use_lora, rngs).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
@@ -97,7 +98,7 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
         out = jnp.matmul(probs, v.astype(q.dtype))  # [B, K, T*G, Dh]
         out = out.reshape(b, self.num_kv_heads, t, groups, self.head_dim).transpose(0, 2, 1, 3, 4)
-        return self.o_proj(out.reshape(b, t, -1), use_lora), cache
+        return self.o_proj(out.reshape(b, t, -1), use_lora, rngs), cache
 
 
 class MLP(nnx.Module):
@@ -110,9 +111,9 @@ class MLP(nnx.Module):
         self.up_proj = proj("up_proj", cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = proj("down_proj", cfg.intermediate_size, cfg.hidden_size)
 
-    def __call__(self, x: jax.Array, use_lora: bool) -> jax.Array:
-        gated = jax.nn.silu(self.gate_proj(x, use_lora)) * self.up_proj(x, use_lora)
-        return self.down_proj(gated, use_lora)
+    def __call__(self, x: jax.Array, use_lora: bool, rngs: nnx.Rngs | None) -> jax.Array:
+        gated = jax.nn.silu(self.gate_proj(x, use_lora, rngs)) * self.up_proj(x, use_lora, rngs)
+        return self.down_proj(gated, use_lora, rngs)
 
 
 class Block(nnx.Module):
@@ -122,12 +123,12 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, lora, dtype, rngs)
 
-    def __call__(self, x, positions, mask, inv_freq, cache, slot, use_lora):
+    def __call__(self, x, positions, mask, inv_freq, cache, slot, use_lora, rngs):
         attn, cache = self.self_attn(
-            self.input_layernorm(x), positions, mask, inv_freq, cache, slot, use_lora
+            self.input_layernorm(x), positions, mask, inv_freq, cache, slot, use_lora, rngs
         )
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x), use_lora), cache
+        return x + self.mlp(self.post_attention_layernorm(x), use_lora, rngs), cache
 
 
 @flax.struct.dataclass
@@ -173,13 +174,14 @@ class Decoder(nnx.Module):
         cache: KVCache | None = None,
         slot: jax.Array | int = 0,
         use_lora: bool = True,
+        rngs: nnx.Rngs | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         x = self.embed_tokens[...][input_ids]
         inv_freq = jnp.asarray(rope_inv_freq(self.config), jnp.float32)  # a compile-time constant
         new_layers = []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache.layers[i]
-            x, layer_cache = layer(x, positions, mask, inv_freq, layer_cache, slot, use_lora)
+            x, layer_cache = layer(x, positions, mask, inv_freq, layer_cache, slot, use_lora, rngs)
             new_layers.append(layer_cache)
         new_cache = None if cache is None else cache.replace(layers=tuple(new_layers))
         return self.norm(x), new_cache
@@ -190,6 +192,7 @@ class Decoder(nnx.Module):
         positions: jax.Array | None = None,  # [B, T]; default: count of real tokens so far
         attention_mask: jax.Array | None = None,  # [B, T] 1 = real token, 0 = padding
         use_lora: bool = True,
+        rngs: nnx.Rngs | None = None,  # a 'dropout' stream turns LoRA dropout on (training)
     ) -> jax.Array:  # [B, T, V]
         b, t = input_ids.shape
         valid = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
@@ -197,7 +200,7 @@ class Decoder(nnx.Module):
             positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0)
         causal = jnp.tril(jnp.ones((t, t), bool))
         mask = causal[None] & valid[:, None, :]
-        hidden, _ = self.hidden_states(input_ids, positions, mask, use_lora=use_lora)
+        hidden, _ = self.hidden_states(input_ids, positions, mask, use_lora=use_lora, rngs=rngs)
         return self.logits(hidden)
 
     def init_cache(self, batch: int, slots: int, dtype: jnp.dtype | None = None) -> KVCache:

@@ -68,16 +68,19 @@ class Linear(nnx.Module):
             )
             self.lora_a = nnx.LoRAParam(a.astype(dtype))
             self.lora_b = nnx.LoRAParam(jnp.zeros((lora.rank, out_features), dtype))
-            self.dropout = nnx.Dropout(lora.dropout, rngs=rngs) if lora.dropout > 0 else None
+            self.dropout = nnx.Dropout(lora.dropout) if lora.dropout > 0 else None
 
     def __call__(
-        self, x: jax.Array, use_lora: bool = True, deterministic: bool = True
+        self, x: jax.Array, use_lora: bool = True, rngs: nnx.Rngs | None = None
     ) -> jax.Array:
         y = x @ self.kernel[...]
         if self.bias is not None:
             y = y + self.bias[...]
         if self.lora is not None and use_lora:
-            h = x if self.dropout is None else self.dropout(x, deterministic=deterministic)
+            # Dropout on the adapter's input only (PEFT), and only when a training stream is given.
+            h = x
+            if self.dropout is not None and rngs is not None:
+                h = self.dropout(x, deterministic=False, rngs=rngs)
             y = y + ((h @ self.lora_a[...]) @ self.lora_b[...]) * jnp.asarray(
                 self.lora.scaling, y.dtype
             )

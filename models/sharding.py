@@ -31,7 +31,6 @@ RULES: tuple[tuple[str, P], ...] = (
     (rf"\.{_ROW}\.lora_a$", P("tensor", None)),
     (rf"\.{_ROW}\.lora_b$", P(None, "fsdp")),
     (r"norm\.weight$", P()),
-    (r"\.count$|\.key$", P()),  # dropout RNG state
 )
 
 

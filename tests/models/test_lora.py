@@ -125,3 +125,18 @@ def test_peft_adapter_round_trips(directory, tmp_path):
 def test_bad_lora_configs(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LoRAConfig(**kwargs)
+
+
+def test_lora_dropout_acts_only_with_a_training_stream(checkpoints):
+    lora = LoRAConfig(rank=4, alpha=8.0, dropout=0.5)
+    model = perturb(from_pretrained(checkpoints["qwen3_tied"], dtype=jnp.float32, lora=lora))
+    ids = jnp.asarray(IDS)
+    plain = np.asarray(model(ids))
+    first = np.asarray(model(ids, rngs=nnx.Rngs(dropout=0)))
+    again = np.asarray(model(ids, rngs=nnx.Rngs(dropout=0)))
+    other = np.asarray(model(ids, rngs=nnx.Rngs(dropout=1)))
+    assert np.abs(first - plain).max() > 1e-2 and np.abs(first - other).max() > 1e-2
+    np.testing.assert_array_equal(first, again)  # the stream, not hidden state, decides
+    np.testing.assert_array_equal(np.asarray(model(ids, rngs=None)), plain)
+    off = np.asarray(model(ids, use_lora=False, rngs=nnx.Rngs(dropout=0)))
+    np.testing.assert_array_equal(off, np.asarray(model(ids, use_lora=False)))
