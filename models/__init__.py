@@ -2,7 +2,7 @@
 
 from models.config import ModelConfig
 from models.decoder import Decoder
-from models.export import load_peft_adapter, save_merged, save_peft_adapter
+from models.export import load_peft_adapter, merge_lora, save_merged, save_peft_adapter
 from models.hf import from_pretrained
 from models.lora import LoRAConfig
 from models.sharding import make_mesh, shard_model
@@ -17,6 +17,7 @@ __all__ = [
     "load_peft_adapter",
     "load_tokenizer",
     "make_mesh",
+    "merge_lora",
     "save_merged",
     "save_peft_adapter",
     "shard_model",

@@ -7,6 +7,7 @@ and [r, out], so both are transposed. Merged checkpoints hold W + (alpha/r) A B 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -101,20 +102,34 @@ def load_peft_adapter(model: Decoder, directory: str | Path) -> Decoder:
     return model
 
 
-def merged_tensors(model: Decoder) -> dict[str, np.ndarray]:
-    """Every base weight in HF names with LoRA folded in: W + (alpha/r) A B."""
+def merge_lora(model: Decoder) -> Decoder:
+    """A LoRA-free Decoder whose kernels are W + (alpha/r) A B; other weights are shared."""
+    abstract = nnx.eval_shape(lambda: Decoder(model.config, dtype=model.dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    merged = []
+    for path, var in nnx.to_flat_state(state):
+        owner = functools.reduce(
+            lambda node, key: node[key] if isinstance(key, int) else getattr(node, key),
+            path[:-1],
+            model,
+        )
+        if path[-1] == "kernel":
+            value = owner.merged_kernel()
+        else:
+            value = getattr(owner, str(path[-1]))[...]
+        merged.append((path, var.replace(value)))
+    return nnx.merge(graphdef, nnx.from_flat_state(merged))
+
+
+def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
+    """Every parameter of a LoRA-free model under its HF name, in HF's [out, in] layout."""
+    if model.lora is not None:
+        raise ValueError("merge the adapter first: hf_tensors(merge_lora(model))")
     tensors = {}
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, Linear):
-            key, _ = hf_key((*path, "kernel"))
-            tensors[key] = np.asarray(jax.device_get(node.merged_kernel())).T.copy()
-            if node.bias is not None:
-                tensors[hf_key((*path, "bias"))[0]] = np.asarray(jax.device_get(node.bias[...]))
-    base = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
-    for path, var in nnx.to_flat_state(base):
-        key = hf_key(path)[0]
-        if key not in tensors and path[-1] != "kernel":
-            tensors[key] = np.asarray(jax.device_get(var.get_value()))
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        key, transpose = hf_key(path)
+        value = np.asarray(jax.device_get(var.get_value()))
+        tensors[key] = value.T.copy() if transpose else value
     return tensors
 
 
@@ -124,7 +139,8 @@ def save_merged(model: Decoder, directory: str | Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     dtype = jnp.dtype(model.dtype).name
     (directory / "config.json").write_text(json.dumps(model.config.to_hf(dtype), indent=2))
-    save_file(merged_tensors(model), directory / "model.safetensors", metadata={"format": "pt"})
+    merged = merge_lora(model) if model.lora is not None else model
+    save_file(hf_tensors(merged), directory / "model.safetensors", metadata={"format": "pt"})
     return directory
 
 

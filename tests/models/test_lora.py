@@ -8,7 +8,7 @@ import pytest
 import torch
 from flax import nnx
 
-from models.export import load_peft_adapter, save_merged, save_peft_adapter
+from models.export import load_peft_adapter, merge_lora, save_merged, save_peft_adapter
 from models.hf import from_pretrained
 from models.lora import LoRAConfig
 from tests.models.hf_fixtures import VOCAB, load_hf
@@ -76,6 +76,10 @@ def test_lora_off_is_the_base_model_and_merge_matches(directory, tmp_path):
     on, off = np.asarray(logits(model, IDS)), np.asarray(logits(model, IDS, use_lora=False))
     assert np.abs(on - off).max() > 0.1
     np.testing.assert_array_equal(off, np.asarray(logits(base, IDS)))
+    in_memory = merge_lora(model)
+    assert in_memory.lora is None and not nnx.state(in_memory, nnx.LoRAParam)
+    scale = 2e-4 * max(1, np.abs(on).max())
+    np.testing.assert_allclose(np.asarray(logits(in_memory, IDS)), on, atol=scale)
     merged = from_pretrained(save_merged(model, tmp_path / "merged"), dtype=jnp.float32)
     np.testing.assert_allclose(
         np.asarray(logits(merged, IDS)), on, atol=2e-4 * max(1, np.abs(on).max())
