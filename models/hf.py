@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -81,10 +81,6 @@ def _lora_value(path: Sequence[object], shape: tuple[int, ...], dtype, seed: int
     return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
 
 
-def iter_params(state: nnx.State) -> Iterator[tuple[tuple, nnx.Variable]]:
-    yield from nnx.to_flat_state(state)
-
-
 def from_pretrained(
     path: str | Path,
     *,
@@ -106,7 +102,7 @@ def from_pretrained(
     abstract = nnx.eval_shape(lambda: Decoder(cfg, lora=lora, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     used, loaded = set(), []
-    for param_path, var in iter_params(state):
+    for param_path, var in nnx.to_flat_state(state):
         shape, want_dtype = var.get_value().shape, var.get_value().dtype
         if isinstance(var, nnx.LoRAParam):
             value = _lora_value(param_path, shape, want_dtype, lora_seed)
