@@ -64,13 +64,11 @@ def bucket(n: int, minimum: int = 1) -> int:
 def _sample(
     logits: jax.Array, key: jax.Array, temperature: jax.Array, params: SamplingParams
 ) -> tuple[jax.Array, jax.Array]:  # logits [B, V] -> token [B], logprob [B]
-    logits = logits.astype(jnp.float32)
+    scaled = logits.astype(jnp.float32)
     if params.greedy:
-        token = jnp.argmax(logits, axis=-1)
-        logp = jax.nn.log_softmax(logits, axis=-1)
+        token = jnp.argmax(scaled, axis=-1)
     else:
-        scaled = logits / temperature
-        logp = jax.nn.log_softmax(scaled, axis=-1)
+        scaled = scaled / temperature
         filtered = scaled
         if params.top_k > 0:
             kth = jax.lax.top_k(scaled, params.top_k)[0][:, -1:]
@@ -83,7 +81,10 @@ def _sample(
             threshold = jnp.min(kept, axis=-1, keepdims=True)
             filtered = jnp.where(filtered < threshold, -jnp.inf, filtered)
         token = jax.random.categorical(key, filtered, axis=-1)
-    return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+    # log-softmax at the chosen token only: the full [B, V] log-softmax is never materialised
+    chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
+    logprob = chosen - jax.nn.logsumexp(scaled, axis=-1)
+    return token.astype(jnp.int32), logprob
 
 
 def _attend_mask(valid: jax.Array, first_slot: jax.Array | int, length: int) -> jax.Array:

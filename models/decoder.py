@@ -87,6 +87,8 @@ class Attention(nnx.Module):
                 cache.values, v.astype(cache.values.dtype), slot, 2
             )
             cache = LayerCache(k, v)
+            if isinstance(slot, int):  # prefill: slots past the prompt are still empty
+                k, v, mask = k[..., : slot + t], v[:, :, : slot + t], mask[..., : slot + t]
         # Fold each kv head's query group and the query positions into one row axis (q row
         # index = t * G + g), so grouped-query attention needs no repeated keys.
         groups = self.num_heads // self.num_kv_heads
