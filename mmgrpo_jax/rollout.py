@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import math
 import numbers
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -19,7 +20,7 @@ from tqdm.auto import tqdm
 
 from mmgrpo_jax.program.adapter import ParseError
 from mmgrpo_jax.program.example import Example
-from mmgrpo_jax.program.lm import LM
+from mmgrpo_jax.program.lm import LM, BatchingLM
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.program.trace import CallRecord, record_trace
 
@@ -121,18 +122,36 @@ def run_rollouts(
         return []
     workers = max_workers if max_workers is not None else min(len(jobs), 256)
 
+    # A batching LM waits until every busy worker has a request queued, so it is told how many
+    # workers are busy: min(workers, unfinished jobs), registered before any job starts (else the
+    # first request would be sent alone) and lowered as the last jobs finish.
+    batching = isinstance(lm, BatchingLM)
+    finished, lock = [0], threading.Lock()
+    if batching:
+        for _ in range(min(workers, len(jobs))):
+            lm.open_client()
+
     def job(pair: tuple[int, int]) -> Trajectory:
         e, r = pair
-        return run_trajectory(
-            program,
-            examples[e],
-            metric,
-            example_index=e,
-            rollout_index=r,
-            lm=lm,
-            failure_score=failure_score,
-            format_failure_score=format_failure_score,
-        )
+        try:
+            return run_trajectory(
+                program,
+                examples[e],
+                metric,
+                example_index=e,
+                rollout_index=r,
+                lm=lm,
+                failure_score=failure_score,
+                format_failure_score=format_failure_score,
+            )
+        finally:
+            if batching:
+                with lock:
+                    busy_before = min(workers, len(jobs) - finished[0])
+                    finished[0] += 1
+                    busy_after = min(workers, len(jobs) - finished[0])
+                if busy_after < busy_before:
+                    lm.close_client()
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout") as pool:
         results = pool.map(job, jobs)

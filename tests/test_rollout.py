@@ -109,3 +109,36 @@ def test_rollouts_reject_examples_without_inputs_before_running():
 def test_rollouts_reject_bad_group_size():
     with pytest.raises(ValueError, match="num_rollouts must be >= 1, got 0"):
         run_rollouts(TwoStep(), [EXAMPLE], exact, num_rollouts=0)
+
+
+class CountingLM(ScriptedLM):
+    """A BatchingLM stand-in that records how many clients are open at every call."""
+
+    def __init__(self):
+        super().__init__(lambda m: GOOD)
+        self.open, self.opened, self.seen = 0, 0, []
+
+    def open_client(self):
+        with self._lock:
+            self.open += 1
+            self.opened += 1
+
+    def close_client(self):
+        with self._lock:
+            self.open -= 1
+
+    def __call__(self, messages, **sampling):
+        with self._lock:
+            self.seen.append(self.open)
+        return super().__call__(messages, **sampling)
+
+
+@pytest.mark.parametrize(("examples", "workers"), [(2, 8), (5, 4)])
+def test_batching_lm_sees_every_busy_worker_registered(examples, workers):
+    lm = CountingLM()
+    data = [Example(q=f"x{i}", a="yes").with_inputs("q") for i in range(examples)]
+    run_rollouts(TwoStep(), data, exact, num_rollouts=2, lm=lm, max_workers=workers)
+    jobs = examples * 2
+    assert lm.opened == min(jobs, workers) and lm.open == 0  # balanced
+    assert lm.seen[0] == min(jobs, workers)  # registered before the first request
+    assert all(1 <= n <= min(jobs, workers) for n in lm.seen)

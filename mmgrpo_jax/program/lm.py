@@ -43,3 +43,12 @@ class LMOutput:
 @runtime_checkable
 class LM(Protocol):
     def __call__(self, messages: Sequence[dict[str, str]], **sampling: Any) -> LMOutput: ...
+
+
+@runtime_checkable
+class BatchingLM(LM, Protocol):
+    """An LM that batches concurrent calls; it dispatches early once every open client waits."""
+
+    def open_client(self) -> None: ...
+
+    def close_client(self) -> None: ...

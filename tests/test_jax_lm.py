@@ -1,0 +1,130 @@
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mmgrpo_jax.jax_lm import JaxLM, Sampling
+from mmgrpo_jax.program import Example, Predict, record_trace
+from mmgrpo_jax.rollout import run_rollouts
+from mmgrpo_jax.sampling import generate
+from models.config import ModelConfig
+from models.decoder import Decoder
+from models.tokenizer import chat_prompt_ids, train_bpe_tokenizer
+
+MESSAGES = [{"role": "system", "content": "Answer."}, {"role": "user", "content": "Which hop?"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    corpus = ["Answer the question about the claim and the hop."] * 30
+    return train_bpe_tokenizer(corpus, 300, "chatml")
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    cfg = ModelConfig("llama", len(tokenizer), 64, 128, 2, 4, 2, 16, 1e-5, 1e4)
+    return Decoder(cfg, rngs=nnx.Rngs(0))
+
+
+def make_lm(model, tokenizer, **kwargs):
+    settings = {"sampling": Sampling(max_new_tokens=6, temperature=0.0), "max_wait_s": 5.0}
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return JaxLM(model, tokenizer, stop_token_ids=stop, **{**settings, **kwargs})
+
+
+def test_a_call_equals_the_sampler_on_the_chat_prompt(model, tokenizer):
+    lm = make_lm(model, tokenizer, max_wait_s=0.01)
+    out = lm(MESSAGES)
+    prompt = chat_prompt_ids(tokenizer, MESSAGES)
+    [want] = generate(
+        model, [prompt], max_new_tokens=6, temperature=0, eos_token_ids=lm.stop_token_ids
+    )
+    assert out.prompt_ids == tuple(prompt)
+    assert out.completion_ids == tuple(want.token_ids)
+    assert out.logprobs == pytest.approx(want.logprobs)
+    assert out.finish_reason == want.finish_reason
+    assert out.text == tokenizer.decode(want.token_ids, skip_special_tokens=True)
+    lm.close()
+
+
+def test_concurrent_rollouts_share_one_full_batch(model, tokenizer):
+    lm = make_lm(model, tokenizer)  # a 5 s timeout: only "everyone is waiting" can dispatch fast
+    program = Predict("question -> answer")
+    examples = [Example(question=f"q{i}", answer="a").with_inputs("question") for i in range(4)]
+    trajectories = run_rollouts(
+        program, examples, lambda e, p: 1.0, num_rollouts=4, lm=lm, max_workers=16
+    )
+    assert lm.stats.dispatches == 1 and lm.stats.requests == 16
+    assert lm.stats.occupancy == 16 / 64
+    for t in trajectories:
+        [call] = t.calls
+        assert call.completion_ids and len(call.logprobs) == len(call.completion_ids)
+        assert call.prompt_ids[-3:] == tuple(
+            tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"][-3:]
+        )
+    lm.close()
+
+
+def test_different_sampling_settings_go_to_separate_batches(model, tokenizer):
+    lm = make_lm(model, tokenizer)
+    outputs, barrier = {}, threading.Barrier(4)
+
+    def client(i):
+        lm.open_client()
+        barrier.wait()
+        try:
+            outputs[i] = lm(MESSAGES, temperature=0.0 if i < 2 else 1.0)
+        finally:
+            lm.close_client()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(outputs) == 4 and outputs[0].completion_ids == outputs[1].completion_ids
+    assert lm.stats.dispatches == 2 and lm.stats.requests == 4
+    lm.close()
+
+
+def test_bad_requests_fail_in_the_caller_without_hanging(model, tokenizer):
+    lm = make_lm(model, tokenizer, max_prompt_tokens=5, max_wait_s=0.01)
+    with pytest.raises(TypeError, match=r"unknown sampling arguments \['seed'\]"):
+        lm(MESSAGES, seed=3)
+    with pytest.raises(ValueError, match="more than max_prompt_tokens=5"):
+        lm(MESSAGES)
+    lm.max_prompt_tokens = None
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+        lm(MESSAGES, max_new_tokens=0)  # raised by the sampler, re-raised in the caller
+    lm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        lm(MESSAGES)
+
+
+def test_weights_updated_in_place_reach_the_next_call(model, tokenizer):
+    lm = make_lm(model, tokenizer, max_wait_s=0.01)
+    before = lm(MESSAGES)
+    head = model.lm_head.kernel
+    saved = head[...]
+    head[...] = jnp.zeros_like(saved)  # flat logits: greedy picks token 0 at log(1/V)
+    try:
+        after = lm(MESSAGES)
+    finally:
+        head[...] = saved
+    assert before.completion_ids[0] != 0
+    assert after.completion_ids[0] == 0
+    assert after.logprobs[0] == pytest.approx(-np.log(len(tokenizer)), rel=1e-5)
+    assert jnp.array_equal(model.lm_head.kernel[...], saved)
+    lm.close()
+
+
+def test_trace_records_what_the_policy_sampled(model, tokenizer):
+    lm = make_lm(model, tokenizer, max_wait_s=0.01)
+    program = Predict("question -> answer")
+    with record_trace(program, lm=lm) as trace, pytest.raises(Exception):  # noqa: B017
+        program(question="q")  # a random policy cannot write the format
+    [call] = trace.calls
+    assert not call.parsed and call.completion == lm(call.messages).text
+    lm.close()
