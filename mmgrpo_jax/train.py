@@ -1,0 +1,217 @@
+"""Training rows, padded micro-batches and the jitted policy update (DESIGN sections 3-4).
+
+A row is one (prompt, completion) pair from a trace: the exact sampled token ids, never text
+re-rendered from parsed fields. Rows are right-padded into [M, b, L] micro-batches whose length L
+is bucketed; the loss mask covers completion targets only. One jitted step scans the micro-batches,
+accumulates gradients of the trainable parameters (LoRA, or everything for tiny from-scratch
+models), and applies one optax update. Shapes: M micro-batches, b rows each, L tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from mmgrpo_jax.losses import LossConfig, policy_loss
+from mmgrpo_jax.sampling import MIN_LENGTH_BUCKET, bucket
+from models.decoder import Decoder
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    advantage: float
+    trajectory_id: int = -1  # trajectory-level grouping: rows of one trajectory share an id
+    sampler_logprobs: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("a training row needs at least one prompt token")
+
+
+@flax.struct.dataclass
+class Batch:
+    tokens: jax.Array  # [M, b, L]
+    valid: jax.Array  # [M, b, L] real tokens (prompt and completion)
+    loss_mask: jax.Array  # [M, b, L-1] targets that are completion tokens
+    advantages: jax.Array  # [M, b]
+    trajectory_ids: jax.Array  # [M, b], -1 when rows are their own sequences
+    num_sequences: jax.Array  # [] rows (or trajectories) in the whole step
+    num_tokens: jax.Array  # [] completion tokens in the whole step
+
+
+def pack_rows(
+    rows: Sequence[Row], micro_batch_size: int, *, trajectory_level: bool = False
+) -> Batch:
+    """Right-padded micro-batches; trajectory ids are renumbered per micro-batch.
+
+    At trajectory level a trajectory's rows must share a micro-batch (the loss normalises by the
+    trajectory's total tokens), so rows are laid out trajectory by trajectory and a micro-batch
+    is closed before a trajectory that would not fit; a trajectory larger than the micro-batch
+    is an error.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if not rows:
+        raise ValueError("no rows to pack")
+    chunks: list[list[Row]] = []
+    if trajectory_level:
+        by_trajectory: dict[int, list[Row]] = {}
+        for row in rows:
+            if row.trajectory_id < 0:
+                raise ValueError(f"trajectory-level rows need trajectory ids >= 0, got {row}")
+            by_trajectory.setdefault(row.trajectory_id, []).append(row)
+        current: list[Row] = []
+        for tid, group in by_trajectory.items():
+            if len(group) > micro_batch_size:
+                raise ValueError(
+                    f"trajectory {tid} has {len(group)} rows, more than micro_batch_size="
+                    f"{micro_batch_size}; raise it"
+                )
+            if len(current) + len(group) > micro_batch_size:
+                chunks.append(current)
+                current = []
+            current += group
+        chunks.append(current)
+    else:
+        chunks = [
+            list(rows[i : i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)
+        ]
+    longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+    length = bucket(longest, MIN_LENGTH_BUCKET)
+    shape = (len(chunks), micro_batch_size)
+    tokens = np.zeros((*shape, length), np.int32)
+    valid = np.zeros((*shape, length), bool)
+    loss_mask = np.zeros((*shape, length - 1), bool)
+    advantages = np.zeros(shape, np.float32)
+    trajectory_ids = np.full(shape, -1, np.int32)
+    for m, chunk in enumerate(chunks):
+        local_ids: dict[int, int] = {}
+        for i, row in enumerate(chunk):
+            p, c = len(row.prompt_ids), len(row.completion_ids)
+            tokens[m, i, : p + c] = row.prompt_ids + row.completion_ids
+            valid[m, i, : p + c] = True
+            loss_mask[m, i, p - 1 : p + c - 1] = True  # logits at t predict token t + 1
+            advantages[m, i] = row.advantage
+            if trajectory_level:
+                trajectory_ids[m, i] = local_ids.setdefault(row.trajectory_id, len(local_ids))
+    sequences = len({r.trajectory_id for r in rows}) if trajectory_level else len(rows)
+    return Batch(
+        tokens=jnp.asarray(tokens),
+        valid=jnp.asarray(valid),
+        loss_mask=jnp.asarray(loss_mask),
+        advantages=jnp.asarray(advantages),
+        trajectory_ids=jnp.asarray(trajectory_ids),
+        num_sequences=jnp.asarray(sequences, jnp.float32),
+        num_tokens=jnp.asarray(sum(len(r.completion_ids) for r in rows), jnp.float32),
+    )
+
+
+def token_logprobs(
+    model: Decoder,
+    tokens: jax.Array,  # [b, L]
+    valid: jax.Array,  # [b, L]
+    temperature: float,
+    use_lora: bool = True,
+) -> jax.Array:  # [b, L-1] log p(token t+1 | tokens <= t)
+    """Log-probs of the next tokens under logits / temperature, the sampler's distribution."""
+    logits = model(tokens, attention_mask=valid, use_lora=use_lora)[:, :-1].astype(jnp.float32)
+    logits = logits / temperature
+    targets = tokens[:, 1:]
+    chosen = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return chosen - jax.nn.logsumexp(logits, axis=-1)
+
+
+@flax.struct.dataclass
+class TrainState:
+    trainable: nnx.State  # LoRA parameters (or every parameter in "full" mode)
+    frozen: nnx.State  # the rest of the model
+    opt_state: optax.OptState
+
+
+TrainStep = Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
+
+
+def split_for_training(
+    model: Decoder, optimizer: optax.GradientTransformation, trainable: Any = nnx.LoRAParam
+) -> tuple[nnx.GraphDef, TrainState]:
+    """Split once, outside the jit: trainable parameters, everything else, optimizer state."""
+    graphdef, params, frozen = nnx.split(model, trainable, ...)
+    return graphdef, TrainState(params, frozen, optimizer.init(params))
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    loss_cfg: LossConfig,
+    temperature: float,
+    trajectory_level: bool = False,
+) -> TrainStep:
+    """A jitted (state, batch) -> (state, metrics); the state's buffers are donated.
+
+    Gradients of the micro-batches are summed (their losses carry the whole step's normalisers)
+    and applied once. With beta > 0 the reference log-probs come from the same weights with LoRA
+    off. Old log-probs are the current ones under stop_gradient: one update per rollout batch.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for training log-probs, got {temperature}")
+
+    def micro_loss(trainable, frozen, micro, batch, count):
+        tokens, valid, loss_mask, advantages, trajectory_ids = micro
+        model = nnx.merge(graphdef, trainable, frozen)
+        logps = token_logprobs(model, tokens, valid, temperature)
+        ref = None
+        if loss_cfg.beta > 0:
+            ref = token_logprobs(model, tokens, valid, temperature, use_lora=False)
+        return policy_loss(
+            loss_cfg,
+            logps,
+            jax.lax.stop_gradient(logps),
+            advantages,
+            loss_mask,
+            ref_logps=ref,
+            trajectory_ids=trajectory_ids if trajectory_level else None,
+            num_sequences=batch.num_sequences,
+            num_tokens=batch.num_tokens,
+            num_micro_batches=count,
+        )
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        count = batch.tokens.shape[0]
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+        def accumulate(grads, micro):
+            (loss, metrics), g = grad_fn(state.trainable, state.frozen, micro, batch, count)
+            return jax.tree.map(jnp.add, grads, g), (loss, metrics)
+
+        micro_batches = (
+            batch.tokens,
+            batch.valid,
+            batch.loss_mask,
+            batch.advantages,
+            batch.trajectory_ids,
+        )
+        zeros = jax.tree.map(jnp.zeros_like, state.trainable)
+        grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, micro_batches)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
+        trainable = optax.apply_updates(state.trainable, updates)
+        tokens = metrics.pop("tokens")
+        # token-weighted means over micro-batches, so they equal the whole step's means
+        summary = {
+            k: jnp.sum(v * tokens) / jnp.maximum(tokens.sum(), 1) for k, v in metrics.items()
+        }
+        summary.update(tokens=tokens.sum(), loss=losses.sum(), grad_norm=optax.tree.norm(grads))
+        return TrainState(trainable, state.frozen, opt_state), summary
+
+    return step

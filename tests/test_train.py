@@ -1,0 +1,175 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from mmgrpo_jax.losses import LossConfig, policy_loss
+from mmgrpo_jax.train import Row, make_train_step, pack_rows, split_for_training, token_logprobs
+from models.config import ModelConfig
+from models.decoder import Decoder
+from models.lora import LoRAConfig
+from tests.models.test_lora import perturb
+
+CFG = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, 1e-5, 1e4)
+TEMPERATURE = 0.8
+
+
+def make_rows(seed=0, n=7, trajectories=None):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        prompt = rng.integers(0, 64, rng.integers(3, 9)).tolist()
+        completion = rng.integers(0, 64, rng.integers(1, 7)).tolist()
+        tid = -1 if trajectories is None else trajectories[i]
+        rows.append(Row(tuple(prompt), tuple(completion), float(rng.normal()), tid))
+    return rows
+
+
+def fresh_model():
+    return perturb(Decoder(CFG, lora=LoRAConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(0)), scale=0.1)
+
+
+def test_pack_rows_masks_completion_targets_only():
+    rows = make_rows()
+    batch = pack_rows(rows, micro_batch_size=3)
+    assert batch.tokens.shape == (3, 3, 16) and batch.loss_mask.shape == (3, 3, 15)
+    for k, row in enumerate(rows):
+        m, i = divmod(k, 3)
+        p, c = len(row.prompt_ids), len(row.completion_ids)
+        assert np.asarray(batch.tokens[m, i, : p + c]).tolist() == list(
+            row.prompt_ids + row.completion_ids
+        )
+        # the logits at position t score token t + 1: completion tokens are targets p .. p+c-1
+        assert np.flatnonzero(np.asarray(batch.loss_mask[m, i])).tolist() == list(
+            range(p - 1, p + c - 1)
+        )
+    assert not np.asarray(batch.valid[2, 1:]).any()  # padding rows are empty
+    assert float(batch.num_sequences) == 7
+    assert float(batch.num_tokens) == sum(len(r.completion_ids) for r in rows)
+
+
+def test_pack_rows_keeps_trajectories_whole():
+    rows = make_rows(trajectories=[5, 5, 9, 9, 9, 2, 7])
+    batch = pack_rows(rows, micro_batch_size=4, trajectory_level=True)
+    ids = np.asarray(batch.trajectory_ids).tolist()
+    assert ids == [[0, 0, -1, -1], [0, 0, 0, 1], [0, -1, -1, -1]]
+    assert float(batch.num_sequences) == 4
+    with pytest.raises(ValueError, match="trajectory 9 has 3 rows, more than micro_batch_size=2"):
+        pack_rows(rows, micro_batch_size=2, trajectory_level=True)
+    with pytest.raises(ValueError, match="trajectory ids >= 0"):
+        pack_rows(make_rows(), micro_batch_size=2, trajectory_level=True)
+
+
+@nnx.jit
+def full_batch_logps(model, tokens, valid):
+    return token_logprobs(model, tokens, valid, TEMPERATURE)
+
+
+def reference_loss(cfg, trainable, graphdef, frozen, rows, trajectory_level):
+    """One micro-batch holding every row, with the default (in-batch) normalisers."""
+    one = pack_rows(rows, micro_batch_size=len(rows), trajectory_level=trajectory_level)
+    model = nnx.merge(graphdef, trainable, frozen)
+    logps = token_logprobs(model, one.tokens[0], one.valid[0], TEMPERATURE)
+    ref = token_logprobs(model, one.tokens[0], one.valid[0], TEMPERATURE, use_lora=False)
+    loss, _ = policy_loss(
+        cfg,
+        logps,
+        jax.lax.stop_gradient(logps),
+        one.advantages[0],
+        one.loss_mask[0],
+        ref_logps=ref if cfg.beta > 0 else None,
+        trajectory_ids=one.trajectory_ids[0] if trajectory_level else None,
+    )
+    return loss
+
+
+CASES = [
+    (LossConfig("grpo", beta=0.04), False),
+    (LossConfig("dapo", epsilon_high=0.28), False),
+    (LossConfig("dr_grpo", max_completion_length=8), False),
+    (LossConfig("cispo", epsilon_high=5.0), False),
+    (LossConfig("gspo"), False),
+    (LossConfig("grpo"), True),
+    (LossConfig("dapo"), True),
+]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "trajectory_level"), CASES, ids=lambda c: str(getattr(c, "variant", c))
+)
+def test_step_equals_the_losses_module_and_updates_lora_only(cfg, trajectory_level):
+    tids = [0, 0, 1, 2, 2, 2, 3] if trajectory_level else None
+    rows = make_rows(seed=3, trajectories=tids)
+    model = fresh_model()
+    base_before = jax.tree.map(
+        np.asarray, nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    )
+    optimizer = optax.sgd(1.0)  # new = old - grad, so the update is the gradient itself
+    graphdef, state = split_for_training(model, optimizer)
+    trainable = jax.tree.map(jnp.copy, state.trainable)
+    want_loss, want_grad = jax.value_and_grad(reference_loss, argnums=1)(
+        cfg, trainable, graphdef, state.frozen, rows, trajectory_level
+    )
+    step = make_train_step(graphdef, optimizer, cfg, TEMPERATURE, trajectory_level)
+    new_state, metrics = step(
+        state, pack_rows(rows, micro_batch_size=3, trajectory_level=trajectory_level)
+    )
+    np.testing.assert_allclose(float(metrics["loss"]), float(want_loss), rtol=1e-5, atol=1e-6)
+    got_grad = jax.tree.map(lambda old, new: old - new, trainable, new_state.trainable)
+    for (path, g), (_, w) in zip(
+        nnx.to_flat_state(got_grad), nnx.to_flat_state(want_grad), strict=True
+    ):
+        np.testing.assert_allclose(
+            g.get_value(), w.get_value(), rtol=1e-4, atol=1e-6, err_msg=str(path)
+        )
+    assert float(metrics["grad_norm"]) > 0
+    updated = nnx.merge(graphdef, new_state.trainable, new_state.frozen)
+    base_after = nnx.state(updated, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    jax.tree.map(np.testing.assert_array_equal, base_before, jax.tree.map(np.asarray, base_after))
+
+
+def test_prompt_positions_get_no_gradient():
+    rows = make_rows(seed=5)
+    batch = pack_rows(rows, micro_batch_size=len(rows))
+    cfg = LossConfig("grpo")
+
+    def loss_of(logps):
+        return policy_loss(
+            cfg, logps, jax.lax.stop_gradient(logps), batch.advantages[0], batch.loss_mask[0]
+        )[0]
+
+    model = fresh_model()
+    logps = full_batch_logps(model, batch.tokens[0], batch.valid[0])
+    grad = np.asarray(jax.grad(loss_of)(logps))
+    mask = np.asarray(batch.loss_mask[0])
+    assert np.all(grad[~mask] == 0) and np.all(grad[mask] != 0)
+    for i, row in enumerate(rows):  # the masked-in targets are exactly the completion tokens
+        targets = np.asarray(batch.tokens[0, i, 1:])[mask[i]]
+        assert targets.tolist() == list(row.completion_ids)
+
+
+def test_full_mode_trains_every_parameter():
+    model = Decoder(CFG, rngs=nnx.Rngs(1))
+    optimizer = optax.adam(1e-2)
+    graphdef, state = split_for_training(model, optimizer, trainable=nnx.Param)
+    before = jax.tree.map(np.asarray, state.trainable)
+    step = make_train_step(graphdef, optimizer, LossConfig("dapo"), TEMPERATURE)
+    new_state, _ = step(state, pack_rows(make_rows(seed=2), micro_batch_size=4))
+    changed = jax.tree.map(
+        lambda a, b: not np.array_equal(a, np.asarray(b)), before, new_state.trainable
+    )
+    assert all(jax.tree.leaves(changed))
+
+
+def test_rows_and_steps_reject_bad_input():
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        Row((), (1,), 0.0)
+    with pytest.raises(ValueError, match="micro_batch_size must be >= 1, got 0"):
+        pack_rows(make_rows(), micro_batch_size=0)
+    with pytest.raises(ValueError, match="no rows"):
+        pack_rows([], micro_batch_size=2)
+    graphdef, _ = split_for_training(fresh_model(), optax.sgd(1.0))
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        make_train_step(graphdef, optax.sgd(1.0), LossConfig("grpo"), 0.0)
