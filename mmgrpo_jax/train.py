@@ -21,6 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from mmgrpo_jax.grouping import Group
 from mmgrpo_jax.losses import LossConfig, policy_loss
 from mmgrpo_jax.sampling import MIN_LENGTH_BUCKET, bucket
 from models.decoder import Decoder
@@ -33,10 +34,51 @@ class Row:
     advantage: float
     trajectory_id: int = -1  # trajectory-level grouping: rows of one trajectory share an id
     sampler_logprobs: tuple[float, ...] | None = None
+    in_loss: bool = True  # False: a truncated completion kept only as a fully masked row
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("a training row needs at least one prompt token")
+
+
+def rows_from_groups(
+    groups: Sequence[Group],
+    advantages: Sequence[np.ndarray],
+    *,
+    trajectory_level: bool = False,
+    mask_truncated_completions: bool = False,
+) -> list[Row]:
+    """One row per (member, call): the exact sampled ids, the member's advantage.
+
+    At trajectory level every group member is one trajectory unit with its own id, so a member
+    that padding or select-K repeated counts twice, as TRL trains a repeated completion twice.
+    """
+    rows: list[Row] = []
+    members = 0
+    for group, group_advantages in zip(groups, advantages, strict=True):
+        for member, advantage in zip(group.members, group_advantages, strict=True):
+            tid = members if trajectory_level else -1
+            members += 1
+            for call in member.calls:
+                if call.prompt_ids is None or call.completion_ids is None:
+                    raise ValueError(
+                        f"call {call.predictor}[{call.invocation}] has no token ids; train with an "
+                        "LM that returns them (JaxLM)"
+                    )
+                if not call.completion_ids:
+                    continue  # nothing was generated: no token to train
+                truncated = call.finish_reason == "length"
+                rows.append(
+                    Row(
+                        call.prompt_ids,
+                        call.completion_ids,
+                        float(advantage),
+                        tid,
+                        call.logprobs,
+                        in_loss=not (mask_truncated_completions and truncated),
+                    )
+                )
+    return rows
 
 
 @flax.struct.dataclass
@@ -101,7 +143,7 @@ def pack_rows(
             p, c = len(row.prompt_ids), len(row.completion_ids)
             tokens[m, i, : p + c] = row.prompt_ids + row.completion_ids
             valid[m, i, : p + c] = True
-            loss_mask[m, i, p - 1 : p + c - 1] = True  # logits at t predict token t + 1
+            loss_mask[m, i, p - 1 : p + c - 1] = row.in_loss  # logits at t predict token t + 1
             advantages[m, i] = row.advantage
             if trajectory_level:
                 trajectory_ids[m, i] = local_ids.setdefault(row.trajectory_id, len(local_ids))
@@ -113,7 +155,7 @@ def pack_rows(
         advantages=jnp.asarray(advantages),
         trajectory_ids=jnp.asarray(trajectory_ids),
         num_sequences=jnp.asarray(sequences, jnp.float32),
-        num_tokens=jnp.asarray(sum(len(r.completion_ids) for r in rows), jnp.float32),
+        num_tokens=jnp.asarray(sum(len(r.completion_ids) for r in rows if r.in_loss), jnp.float32),
     )
 
 

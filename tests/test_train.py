@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -5,11 +7,22 @@ import optax
 import pytest
 from flax import nnx
 
+from mmgrpo_jax.advantages import advantages_for_groups
+from mmgrpo_jax.grouping import module_level_groups, trajectory_level_groups
 from mmgrpo_jax.losses import LossConfig, policy_loss
-from mmgrpo_jax.train import Row, make_train_step, pack_rows, split_for_training, token_logprobs
+from mmgrpo_jax.rollout import run_rollouts
+from mmgrpo_jax.train import (
+    Row,
+    make_train_step,
+    pack_rows,
+    rows_from_groups,
+    split_for_training,
+    token_logprobs,
+)
 from models.config import ModelConfig
 from models.decoder import Decoder
 from models.lora import LoRAConfig
+from programs import synthetic
 from tests.models.test_lora import perturb
 
 CFG = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, 1e-5, 1e4)
@@ -173,3 +186,77 @@ def test_rows_and_steps_reject_bad_input():
     graphdef, _ = split_for_training(fresh_model(), optax.sgd(1.0))
     with pytest.raises(ValueError, match="temperature must be > 0"):
         make_train_step(graphdef, optax.sgd(1.0), LossConfig("grpo"), 0.0)
+
+
+def synthetic_groups(trajectory_level):
+    table = synthetic.LinkTable.make(4, seed=0)
+    program = synthetic.LinkFollower(table, max_links=2)
+    examples = synthetic.make_examples(table, 2, max_links=2, seed=0)
+    lm = synthetic.noisy_policy(program, accuracy=0.6, format_error_rate=0.1, seed=2)
+    trajectories = run_rollouts(program, examples, synthetic.metric, num_rollouts=4, lm=lm)
+    groups = (trajectory_level_groups if trajectory_level else module_level_groups)(trajectories)
+    return trajectories, groups, advantages_for_groups(groups)
+
+
+@pytest.mark.parametrize("trajectory_level", [False, True])
+def test_rows_from_groups_carry_the_sampled_ids_and_advantages(trajectory_level):
+    trajectories, groups, advantages = synthetic_groups(trajectory_level)
+    rows = rows_from_groups(groups, advantages, trajectory_level=trajectory_level)
+    expected = [
+        (call, float(a), k if trajectory_level else -1)
+        for k, (member, a) in enumerate(
+            (m, a)
+            for g, adv in zip(groups, advantages, strict=True)
+            for m, a in zip(g.members, adv, strict=True)
+        )
+        for call in member.calls
+    ]
+    assert len(rows) == len(expected)
+    for row, (call, advantage, tid) in zip(rows, expected, strict=True):
+        assert row.prompt_ids == call.prompt_ids and row.completion_ids == call.completion_ids
+        assert row.advantage == advantage and row.trajectory_id == tid
+        assert row.sampler_logprobs == call.logprobs and row.in_loss
+    if trajectory_level:
+        assert len(rows) == sum(len(t.calls) for t in trajectories)
+
+
+def test_truncated_completions_can_be_masked_and_missing_ids_are_an_error():
+    _, groups, advantages = synthetic_groups(False)
+    member = groups[0].members[0]
+    truncated_call = dataclasses.replace(member.calls[0], finish_reason="length")
+    groups[0] = dataclasses.replace(
+        groups[0],
+        members=(dataclasses.replace(member, calls=(truncated_call,)), *groups[0].members[1:]),
+    )
+    rows = rows_from_groups(groups, advantages, mask_truncated_completions=True)
+    assert not rows[0].in_loss and all(r.in_loss for r in rows[1:])
+    batch = pack_rows(rows, micro_batch_size=len(rows))
+    assert not np.asarray(batch.loss_mask[0, 0]).any()
+    assert float(batch.num_tokens) == sum(len(r.completion_ids) for r in rows[1:])
+    no_ids = dataclasses.replace(truncated_call, completion_ids=None)
+    groups[0] = dataclasses.replace(
+        groups[0], members=(dataclasses.replace(member, calls=(no_ids,)), *groups[0].members[1:])
+    )
+    with pytest.raises(ValueError, match=r"start\[0\] has no token ids"):
+        rows_from_groups(groups, advantages)
+
+
+@pytest.mark.parametrize("trajectory_level", [False, True])
+def test_a_step_on_synthetic_rollouts_moves_the_lora_parameters(trajectory_level):
+    _, groups, advantages = synthetic_groups(trajectory_level)
+    rows = rows_from_groups(groups, advantages, trajectory_level=trajectory_level)
+    model = Decoder(  # byte-level ids from the scripted LM: vocabulary 256
+        ModelConfig("llama", 256, 32, 64, 1, 4, 2, 8, 1e-5, 1e4),
+        lora=LoRAConfig(rank=2, alpha=4.0),
+        rngs=nnx.Rngs(0),
+    )
+    optimizer = optax.adamw(1e-3)
+    graphdef, state = split_for_training(model, optimizer)
+    before = jax.tree.map(np.asarray, state.trainable)
+    step = make_train_step(graphdef, optimizer, LossConfig("grpo"), 1.0, trajectory_level)
+    micro = 64 if trajectory_level else 16
+    state, metrics = step(state, pack_rows(rows, micro, trajectory_level=trajectory_level))
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["tokens"]) > 0
+    assert float(metrics["ratio_mean"]) == pytest.approx(1.0)
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), before, state.trainable)
+    assert any(jax.tree.leaves(moved))
