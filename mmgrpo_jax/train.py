@@ -90,6 +90,7 @@ class Batch:
     trajectory_ids: jax.Array  # [M, b], -1 when rows are their own sequences
     num_sequences: jax.Array  # [] rows (or trajectories) in the whole step
     num_tokens: jax.Array  # [] completion tokens in the whole step
+    old_logps: jax.Array | None = None  # [M, b, L-1] before the step's first update
 
 
 def pack_rows(
@@ -176,20 +177,50 @@ def token_logprobs(
 
 @flax.struct.dataclass
 class TrainState:
+    """What an update changes; the frozen rest of the model is passed beside it, not donated."""
+
     trainable: nnx.State  # LoRA parameters (or every parameter in "full" mode)
-    frozen: nnx.State  # the rest of the model
     opt_state: optax.OptState
 
 
-TrainStep = Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
+TrainStep = Callable[[TrainState, nnx.State, Batch], tuple[TrainState, dict[str, jax.Array]]]
 
 
 def split_for_training(
     model: Decoder, optimizer: optax.GradientTransformation, trainable: Any = nnx.LoRAParam
-) -> tuple[nnx.GraphDef, TrainState]:
-    """Split once, outside the jit: trainable parameters, everything else, optimizer state."""
+) -> tuple[nnx.GraphDef, TrainState, nnx.State]:
+    """Split once, outside the jit: graphdef, trainable state + optimizer state, frozen rest."""
     graphdef, params, frozen = nnx.split(model, trainable, ...)
-    return graphdef, TrainState(params, frozen, optimizer.init(params))
+    return graphdef, TrainState(params, optimizer.init(params)), frozen
+
+
+def _micro_batches(batch: Batch) -> tuple[jax.Array, ...]:
+    old = () if batch.old_logps is None else (batch.old_logps,)
+    return (
+        batch.tokens,
+        batch.valid,
+        batch.loss_mask,
+        batch.advantages,
+        batch.trajectory_ids,
+        *old,
+    )
+
+
+def make_logprob_fn(
+    graphdef: nnx.GraphDef, temperature: float
+) -> Callable[[nnx.State, nnx.State, Batch], jax.Array]:
+    """Jitted per-token log-probs of a packed batch, [M, b, L-1]: the old log-probs of a step."""
+
+    @jax.jit
+    def logprobs(trainable: nnx.State, frozen: nnx.State, batch: Batch) -> jax.Array:
+        model = nnx.merge(graphdef, trainable, frozen)
+
+        def one(_, micro):
+            return None, token_logprobs(model, micro[0], micro[1], temperature)
+
+        return jax.lax.scan(one, None, (batch.tokens, batch.valid))[1]
+
+    return logprobs
 
 
 def make_train_step(
@@ -199,17 +230,18 @@ def make_train_step(
     temperature: float,
     trajectory_level: bool = False,
 ) -> TrainStep:
-    """A jitted (state, batch) -> (state, metrics); the state's buffers are donated.
+    """A jitted (state, frozen, batch) -> (state, metrics); the state's buffers are donated.
 
     Gradients of the micro-batches are summed (their losses carry the whole step's normalisers)
     and applied once. With beta > 0 the reference log-probs come from the same weights with LoRA
-    off. Old log-probs are the current ones under stop_gradient: one update per rollout batch.
+    off. Old log-probs are `batch.old_logps` when given (several updates per rollout batch), else
+    the current ones under stop_gradient.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for training log-probs, got {temperature}")
 
     def micro_loss(trainable, frozen, micro, batch, count):
-        tokens, valid, loss_mask, advantages, trajectory_ids = micro
+        tokens, valid, loss_mask, advantages, trajectory_ids, *old = micro
         model = nnx.merge(graphdef, trainable, frozen)
         logps = token_logprobs(model, tokens, valid, temperature)
         ref = None
@@ -218,7 +250,7 @@ def make_train_step(
         return policy_loss(
             loss_cfg,
             logps,
-            jax.lax.stop_gradient(logps),
+            old[0] if old else jax.lax.stop_gradient(logps),
             advantages,
             loss_mask,
             ref_logps=ref,
@@ -229,23 +261,18 @@ def make_train_step(
         )
 
     @functools.partial(jax.jit, donate_argnums=0)
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    def step(
+        state: TrainState, frozen: nnx.State, batch: Batch
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
         count = batch.tokens.shape[0]
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
         def accumulate(grads, micro):
-            (loss, metrics), g = grad_fn(state.trainable, state.frozen, micro, batch, count)
+            (loss, metrics), g = grad_fn(state.trainable, frozen, micro, batch, count)
             return jax.tree.map(jnp.add, grads, g), (loss, metrics)
 
-        micro_batches = (
-            batch.tokens,
-            batch.valid,
-            batch.loss_mask,
-            batch.advantages,
-            batch.trajectory_ids,
-        )
         zeros = jax.tree.map(jnp.zeros_like, state.trainable)
-        grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, micro_batches)
+        grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, _micro_batches(batch))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
         trainable = optax.apply_updates(state.trainable, updates)
         tokens = metrics.pop("tokens")
@@ -254,6 +281,6 @@ def make_train_step(
             k: jnp.sum(v * tokens) / jnp.maximum(tokens.sum(), 1) for k, v in metrics.items()
         }
         summary.update(tokens=tokens.sum(), loss=losses.sum(), grad_norm=optax.tree.norm(grads))
-        return TrainState(trainable, state.frozen, opt_state), summary
+        return TrainState(trainable, opt_state), summary
 
     return step

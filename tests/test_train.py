@@ -13,6 +13,7 @@ from mmgrpo_jax.losses import LossConfig, policy_loss
 from mmgrpo_jax.rollout import run_rollouts
 from mmgrpo_jax.train import (
     Row,
+    make_logprob_fn,
     make_train_step,
     pack_rows,
     rows_from_groups,
@@ -120,14 +121,14 @@ def test_step_equals_the_losses_module_and_updates_lora_only(cfg, trajectory_lev
         np.asarray, nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
     )
     optimizer = optax.sgd(1.0)  # new = old - grad, so the update is the gradient itself
-    graphdef, state = split_for_training(model, optimizer)
+    graphdef, state, frozen = split_for_training(model, optimizer)
     trainable = jax.tree.map(jnp.copy, state.trainable)
     want_loss, want_grad = jax.value_and_grad(reference_loss, argnums=1)(
-        cfg, trainable, graphdef, state.frozen, rows, trajectory_level
+        cfg, trainable, graphdef, frozen, rows, trajectory_level
     )
     step = make_train_step(graphdef, optimizer, cfg, TEMPERATURE, trajectory_level)
     new_state, metrics = step(
-        state, pack_rows(rows, micro_batch_size=3, trajectory_level=trajectory_level)
+        state, frozen, pack_rows(rows, micro_batch_size=3, trajectory_level=trajectory_level)
     )
     np.testing.assert_allclose(float(metrics["loss"]), float(want_loss), rtol=1e-5, atol=1e-6)
     got_grad = jax.tree.map(lambda old, new: old - new, trainable, new_state.trainable)
@@ -138,7 +139,7 @@ def test_step_equals_the_losses_module_and_updates_lora_only(cfg, trajectory_lev
             g.get_value(), w.get_value(), rtol=1e-4, atol=1e-6, err_msg=str(path)
         )
     assert float(metrics["grad_norm"]) > 0
-    updated = nnx.merge(graphdef, new_state.trainable, new_state.frozen)
+    updated = nnx.merge(graphdef, new_state.trainable, frozen)
     base_after = nnx.state(updated, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
     jax.tree.map(np.testing.assert_array_equal, base_before, jax.tree.map(np.asarray, base_after))
 
@@ -166,10 +167,10 @@ def test_prompt_positions_get_no_gradient():
 def test_full_mode_trains_every_parameter():
     model = Decoder(CFG, rngs=nnx.Rngs(1))
     optimizer = optax.adam(1e-2)
-    graphdef, state = split_for_training(model, optimizer, trainable=nnx.Param)
+    graphdef, state, frozen = split_for_training(model, optimizer, trainable=nnx.Param)
     before = jax.tree.map(np.asarray, state.trainable)
     step = make_train_step(graphdef, optimizer, LossConfig("dapo"), TEMPERATURE)
-    new_state, _ = step(state, pack_rows(make_rows(seed=2), micro_batch_size=4))
+    new_state, _ = step(state, frozen, pack_rows(make_rows(seed=2), micro_batch_size=4))
     changed = jax.tree.map(
         lambda a, b: not np.array_equal(a, np.asarray(b)), before, new_state.trainable
     )
@@ -183,7 +184,7 @@ def test_rows_and_steps_reject_bad_input():
         pack_rows(make_rows(), micro_batch_size=0)
     with pytest.raises(ValueError, match="no rows"):
         pack_rows([], micro_batch_size=2)
-    graphdef, _ = split_for_training(fresh_model(), optax.sgd(1.0))
+    graphdef, _, _ = split_for_training(fresh_model(), optax.sgd(1.0))
     with pytest.raises(ValueError, match="temperature must be > 0"):
         make_train_step(graphdef, optax.sgd(1.0), LossConfig("grpo"), 0.0)
 
@@ -251,12 +252,31 @@ def test_a_step_on_synthetic_rollouts_moves_the_lora_parameters(trajectory_level
         rngs=nnx.Rngs(0),
     )
     optimizer = optax.adamw(1e-3)
-    graphdef, state = split_for_training(model, optimizer)
+    graphdef, state, frozen = split_for_training(model, optimizer)
     before = jax.tree.map(np.asarray, state.trainable)
     step = make_train_step(graphdef, optimizer, LossConfig("grpo"), 1.0, trajectory_level)
     micro = 64 if trajectory_level else 16
-    state, metrics = step(state, pack_rows(rows, micro, trajectory_level=trajectory_level))
+    state, metrics = step(state, frozen, pack_rows(rows, micro, trajectory_level=trajectory_level))
     assert np.isfinite(float(metrics["loss"])) and float(metrics["tokens"]) > 0
     assert float(metrics["ratio_mean"]) == pytest.approx(1.0)
     moved = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), before, state.trainable)
     assert any(jax.tree.leaves(moved))
+
+
+def test_old_logprobs_drive_the_ratio_across_iterations():
+    rows = make_rows(seed=8)
+    model = fresh_model()
+    optimizer = optax.adam(5e-2)
+    graphdef, state, frozen = split_for_training(model, optimizer)
+    batch = pack_rows(rows, micro_batch_size=4)
+    old = make_logprob_fn(graphdef, TEMPERATURE)(state.trainable, frozen, batch)
+    step = make_train_step(graphdef, optimizer, LossConfig("grpo"), TEMPERATURE)
+    with_old = batch.replace(old_logps=old)
+    state, first = step(state, frozen, with_old)
+    assert float(first["ratio_mean"]) == pytest.approx(1.0, abs=1e-6)  # same weights: rho = 1
+    state, second = step(state, frozen, with_old)
+    assert abs(float(second["ratio_mean"]) - 1.0) > 1e-4  # the policy moved away from old
+    # the frozen base weights were not donated: the model still runs on them
+    assert np.isfinite(
+        np.asarray(nnx.merge(graphdef, state.trainable, frozen)(batch.tokens[0]))
+    ).all()
