@@ -99,6 +99,21 @@ def system_message(signature: Signature) -> str:
     return "\n".join(lines)
 
 
+def bare_system_message(signature: Signature) -> str:
+    """Bare mode: one output field, and the reply is its value alone (for tiny policies)."""
+    lines = [signature.instructions.strip(), "", "Input fields:"]
+    lines += [_describe(f) for f in signature.inputs]
+    lines += ["", "Reply with the value of this field only:", _describe(signature.outputs[0])]
+    return "\n".join(lines)
+
+
+def check_bare(signature: Signature) -> None:
+    if len(signature.outputs) != 1:
+        raise ValueError(
+            f"bare mode needs exactly one output field; `{signature}` has {len(signature.outputs)}"
+        )
+
+
 def _fields_block(fields: Sequence[Field], values: Mapping[str, Any]) -> str:
     blocks = [
         f"{header(f.name)}\n{format_value(values[f.name], f.type)}"
@@ -108,8 +123,12 @@ def _fields_block(fields: Sequence[Field], values: Mapping[str, Any]) -> str:
     return "\n\n".join(blocks)
 
 
-def format_outputs(signature: Signature, outputs: Mapping[str, Any]) -> str:
+def format_outputs(signature: Signature, outputs: Mapping[str, Any], bare: bool = False) -> str:
     """The completion an ideal LM would write for these outputs."""
+    if bare:
+        check_bare(signature)
+        field = signature.outputs[0]
+        return format_value(outputs[field.name], field.type)
     return _fields_block(signature.outputs, outputs) + f"\n\n{header(COMPLETED)}"
 
 
@@ -117,24 +136,33 @@ def render(
     signature: Signature,
     inputs: Mapping[str, Any],
     demos: Sequence[Mapping[str, Any]] = (),
+    bare: bool = False,
 ) -> list[Message]:
     """Chat messages for one call: system spec, demo turns, then the inputs."""
     missing = [name for name in signature.input_names if name not in inputs]
     if missing:
         raise ValueError(f"missing input fields {missing} for signature `{signature}`")
-    messages = [{"role": "system", "content": system_message(signature)}]
+    system = bare_system_message(signature) if bare else system_message(signature)
+    messages = [{"role": "system", "content": system}]
     for i, demo in enumerate(demos):
         lacking = [name for name in signature.input_names if name not in demo]
         if lacking:
             raise ValueError(f"demo {i} lacks input fields {lacking}: {dict(demo)!r}")
         messages.append({"role": "user", "content": _fields_block(signature.inputs, demo)})
-        messages.append({"role": "assistant", "content": format_outputs(signature, demo)})
+        messages.append({"role": "assistant", "content": format_outputs(signature, demo, bare)})
     messages.append({"role": "user", "content": _fields_block(signature.inputs, inputs)})
     return messages
 
 
-def parse(signature: Signature, completion: str) -> dict[str, Any]:
+def parse(signature: Signature, completion: str, bare: bool = False) -> dict[str, Any]:
     """Typed output fields of a completion, or ParseError naming what is wrong."""
+    if bare:
+        check_bare(signature)
+        field = signature.outputs[0]
+        try:
+            return {field.name: parse_value(completion, field)}
+        except ValueError as err:
+            raise ParseError(f"field {field.name!r}: {err}", completion, field.name) from err
     headers = list(_HEADER.finditer(completion))
     sections: dict[str, str] = {}
     for i, match in enumerate(headers):

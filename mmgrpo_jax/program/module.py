@@ -93,6 +93,8 @@ class Predict(Module):
 
     The LM is the predictor's own (`lm=` or `Module.set_lm`) or else the one of the current run
     context (`record_trace(program, lm=...)`, `using_lm`). `sampling` is passed to every LM call.
+    `bare=True` (one output field) asks for the value alone instead of headed fields: a format a
+    tiny policy can produce.
     """
 
     def __init__(
@@ -102,8 +104,12 @@ class Predict(Module):
         instructions: str | None = None,
         lm: LM | None = None,
         sampling: Mapping[str, Any] | None = None,
+        bare: bool = False,
     ) -> None:
         self.signature = ensure_signature(signature)
+        if bare:
+            adapter.check_bare(self.signature)
+        self.bare = bare
         if instructions is not None:
             self.signature = self.signature.with_instructions(instructions)
         self.demos: list[dict[str, Any]] = []
@@ -121,7 +127,7 @@ class Predict(Module):
                 f"no LM for predictor `{self.signature}`: pass lm=..., call program.set_lm(lm), "
                 "or run inside record_trace(program, lm=lm)"
             )
-        messages = adapter.render(self.signature, inputs, self.demos)
+        messages = adapter.render(self.signature, inputs, self.demos, self.bare)
         trace = context.trace
         if trace is not None:
             name = trace.name_of(self)
@@ -132,7 +138,7 @@ class Predict(Module):
         error: adapter.ParseError | None = None
         outputs = None
         try:
-            outputs = adapter.parse(self.signature, output.text)
+            outputs = adapter.parse(self.signature, output.text, self.bare)
         except adapter.ParseError as err:
             error = err
         if trace is not None:
@@ -171,3 +177,5 @@ class ChainOfThought(Predict):
     def __init__(self, signature: str | Signature, **kwargs: Any) -> None:
         super().__init__(signature, **kwargs)
         self.signature = self.signature.prepend_output(REASONING)
+        if self.bare:
+            adapter.check_bare(self.signature)  # reasoning makes a second output field

@@ -86,3 +86,18 @@ def test_bad_completion_raises_parse_error_with_raw_text(spec, completion, field
     assert info.value.raw == completion
     assert info.value.field == field
     assert repr(completion) in str(info.value)
+
+
+def test_bare_mode_round_trips_a_single_field():
+    sig = Signature.parse("clue -> start: Literal['amber', 'birch']")
+    assert adapter.format_outputs(sig, {"start": "birch"}, bare=True) == "birch"
+    assert adapter.parse(sig, " birch\n", bare=True) == {"start": "birch"}
+    messages = adapter.render(sig, {"clue": "c"}, [{"clue": "d", "start": "amber"}], bare=True)
+    assert "Reply with the value of this field only" in messages[0]["content"]
+    assert "[[ ## start ## ]]" not in messages[0]["content"]
+    assert messages[2] == {"role": "assistant", "content": "amber"}
+    with pytest.raises(ParseError) as info:
+        adapter.parse(sig, "cedar", bare=True)
+    assert info.value.raw == "cedar" and info.value.field == "start"
+    with pytest.raises(ValueError, match="exactly one output field"):
+        adapter.parse(Signature.parse("q -> a, b"), "x", bare=True)

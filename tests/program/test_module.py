@@ -174,3 +174,10 @@ def test_copy_is_independent_but_shares_the_lm():
     assert program.first.demos == [] and clone.first.lm is lm
     assert [n for n, _ in clone.named_predictors()] == [n for n, _ in program.named_predictors()]
     assert clone.shared is clone.first
+
+
+def test_bare_predictor_reads_the_reply_as_the_value():
+    predict = Predict("q -> n: int", bare=True, lm=ScriptedLM(lambda m: " 42 "))
+    assert predict(q="x").n == 42
+    with pytest.raises(ValueError, match="exactly one output field"):
+        ChainOfThought("q -> a", bare=True)
