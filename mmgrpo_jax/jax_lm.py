@@ -20,6 +20,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from mmgrpo_jax.program.lm import LMOutput
+from mmgrpo_jax.program.trace import current
 from mmgrpo_jax.sampling import generate
 from models.decoder import Decoder
 from models.tokenizer import HFTokenizer, chat_prompt_ids
@@ -43,6 +44,7 @@ class _Request:
     sampling: Sampling
     future: Future
     queued_at: float
+    order: tuple | None  # (example, rollout, call) inside a rollout: fixes its row in a batch
 
 
 @dataclasses.dataclass
@@ -108,11 +110,13 @@ class JaxLM:
                 f"prompt has {len(prompt)} tokens, more than max_prompt_tokens="
                 f"{self.max_prompt_tokens}"
             )
+        trace = current().trace
+        order = None if trace is None or trace.key is None else (*trace.key, len(trace.calls))
         future: Future = Future()
         with self._cond:
             if self._closed:
                 raise RuntimeError("this JaxLM is closed")
-            self._pending.append(_Request(prompt, settings, future, time.monotonic()))
+            self._pending.append(_Request(prompt, settings, future, time.monotonic(), order))
             self._cond.notify_all()
         completion = future.result()
         ids = completion.token_ids
@@ -124,6 +128,16 @@ class JaxLM:
             logprobs=tuple(completion.logprobs),
             finish_reason=completion.finish_reason,
         )
+
+    @property
+    def calls(self) -> int:
+        """Sampler calls so far; with the seed it fixes the next call's PRNG stream (resume)."""
+        return self._calls
+
+    @calls.setter
+    def calls(self, value: int) -> None:
+        with self._cond:
+            self._calls = int(value)
 
     # -- clients: who may still send a request -----------------------------------------------
     def open_client(self) -> None:
@@ -157,7 +171,13 @@ class JaxLM:
                 if self._closed and not self._pending:
                     return
                 settings = self._pending[0].sampling
-                batch = [r for r in self._pending if r.sampling == settings][: self.max_batch]
+                # Rows are sampled by position: order them by rollout, not by thread timing, so
+                # a run is reproducible (and resumable) whenever batches are full.
+                same = sorted(
+                    (r for r in self._pending if r.sampling == settings),
+                    key=lambda r: (r.order is None, r.order or (), r.queued_at),
+                )
+                batch = same[: self.max_batch]
                 taken = {id(r) for r in batch}
                 self._pending = [r for r in self._pending if id(r) not in taken]
                 seed = self._seed * 1_000_003 + self._calls  # a fresh stream every call

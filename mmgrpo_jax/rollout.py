@@ -76,7 +76,7 @@ def run_trajectory(
             example_index, rollout_index, trace.calls, reward, status, error, prediction
         )
 
-    with record_trace(program, lm=lm) as trace:
+    with record_trace(program, lm=lm, key=(example_index, rollout_index)) as trace:
         try:
             prediction = program(**example.inputs())
         except ParseError as err:

@@ -93,10 +93,10 @@ class Batch:
     old_logps: jax.Array | None = None  # [M, b, L-1] before the step's first update
 
 
-def pack_rows(
-    rows: Sequence[Row], micro_batch_size: int, *, trajectory_level: bool = False
-) -> Batch:
-    """Right-padded micro-batches; trajectory ids are renumbered per micro-batch.
+def micro_batch_layout(
+    rows: Sequence[Row], micro_batch_size: int, trajectory_level: bool = False
+) -> list[list[int]]:
+    """Row indices of each micro-batch.
 
     At trajectory level a trajectory's rows must share a micro-batch (the loss normalises by the
     trajectory's total tokens), so rows are laid out trajectory by trajectory and a micro-batch
@@ -107,29 +107,37 @@ def pack_rows(
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     if not rows:
         raise ValueError("no rows to pack")
-    chunks: list[list[Row]] = []
-    if trajectory_level:
-        by_trajectory: dict[int, list[Row]] = {}
-        for row in rows:
-            if row.trajectory_id < 0:
-                raise ValueError(f"trajectory-level rows need trajectory ids >= 0, got {row}")
-            by_trajectory.setdefault(row.trajectory_id, []).append(row)
-        current: list[Row] = []
-        for tid, group in by_trajectory.items():
-            if len(group) > micro_batch_size:
-                raise ValueError(
-                    f"trajectory {tid} has {len(group)} rows, more than micro_batch_size="
-                    f"{micro_batch_size}; raise it"
-                )
-            if len(current) + len(group) > micro_batch_size:
-                chunks.append(current)
-                current = []
-            current += group
-        chunks.append(current)
-    else:
-        chunks = [
-            list(rows[i : i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)
+    if not trajectory_level:
+        return [
+            list(range(i, min(i + micro_batch_size, len(rows))))
+            for i in range(0, len(rows), micro_batch_size)
         ]
+    by_trajectory: dict[int, list[int]] = {}
+    for k, row in enumerate(rows):
+        if row.trajectory_id < 0:
+            raise ValueError(f"trajectory-level rows need trajectory ids >= 0, got {row}")
+        by_trajectory.setdefault(row.trajectory_id, []).append(k)
+    chunks: list[list[int]] = [[]]
+    for tid, group in by_trajectory.items():
+        if len(group) > micro_batch_size:
+            raise ValueError(
+                f"trajectory {tid} has {len(group)} rows, more than micro_batch_size="
+                f"{micro_batch_size}; raise it"
+            )
+        if len(chunks[-1]) + len(group) > micro_batch_size:
+            chunks.append([])
+        chunks[-1] += group
+    return chunks
+
+
+def pack_rows(
+    rows: Sequence[Row], micro_batch_size: int, *, trajectory_level: bool = False
+) -> Batch:
+    """Right-padded micro-batches laid out by `micro_batch_layout`; trajectory ids renumbered."""
+    chunks = [
+        [rows[k] for k in chunk]
+        for chunk in micro_batch_layout(rows, micro_batch_size, trajectory_level)
+    ]
     longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
     length = bucket(longest, MIN_LENGTH_BUCKET)
     shape = (len(chunks), micro_batch_size)

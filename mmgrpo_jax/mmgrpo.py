@@ -1,0 +1,434 @@
+"""The mmGRPO optimizer: rollouts -> rewards -> groups -> advantages -> update, step after step.
+
+`MMGRPO(metric, config, model=..., tokenizer=...).compile(program, trainset, valset)` trains the
+policy behind every predictor of `program` (one shared LoRA adapter) and returns the program. The
+loop is thin; each stage is its own function; all state that a resumed run needs (trainable
+parameters, optimizer state, step, sampler RNG counter, prompt state) goes into an orbax
+checkpoint, and the data order is a pure function of (seed, step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm.auto import tqdm
+
+from mmgrpo_jax.advantages import SCALES, advantages_for_groups
+from mmgrpo_jax.grouping import ALIGN_MODES, Group, module_level_groups, trajectory_level_groups
+from mmgrpo_jax.jax_lm import JaxLM, Sampling
+from mmgrpo_jax.losses import LossConfig
+from mmgrpo_jax.program.example import Example
+from mmgrpo_jax.program.module import Module
+from mmgrpo_jax.rollout import Metric, Trajectory, run_rollouts, summarize
+from mmgrpo_jax.train import (
+    Batch,
+    Row,
+    TrainState,
+    make_logprob_fn,
+    make_train_step,
+    micro_batch_layout,
+    pack_rows,
+    rows_from_groups,
+    split_for_training,
+)
+from models.decoder import Decoder
+from models.export import save_peft_adapter
+from models.lora import LoRAConfig
+from models.tokenizer import HFTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with warmup, an optional decay to zero, and global-norm clipping."""
+
+    lr: float = 1e-5
+    warmup_steps: int = 0
+    decay: Literal["constant", "linear", "cosine"] = "constant"
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"OptimConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.decay not in ("constant", "linear", "cosine"):
+            raise ValueError(
+                f"OptimConfig.decay must be constant, linear or cosine, got {self.decay!r}"
+            )
+        if self.micro_batch_size < 1:
+            raise ValueError(
+                f"OptimConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}"
+            )
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"OptimConfig.max_grad_norm must be > 0, got {self.max_grad_norm}")
+
+    def schedule(self, num_steps: int) -> optax.Schedule:
+        after = max(num_steps - self.warmup_steps, 1)
+        end = 0.0 if self.decay != "constant" else self.lr
+        if self.decay == "cosine":
+            main = optax.cosine_decay_schedule(self.lr, after)
+        else:
+            main = optax.linear_schedule(self.lr, end, after)
+        if self.warmup_steps == 0:
+            return main
+        warmup = optax.linear_schedule(0.0, self.lr, self.warmup_steps)
+        return optax.join_schedules([warmup, main], [self.warmup_steps])
+
+    def build(self, num_steps: int) -> optax.GradientTransformation:
+        return optax.chain(
+            optax.clip_by_global_norm(self.max_grad_norm),
+            optax.adamw(self.schedule(num_steps), weight_decay=self.weight_decay),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MMGRPOConfig:
+    grouping: Literal["module", "trajectory"] = "module"
+    align: str = "truncate"
+    num_rollouts: int = 8
+    select_k: int | None = None
+    examples_per_step: int = 4
+    num_steps: int = 100
+    num_iterations: int = 1
+    advantage_scale: str = "group"
+    loss: LossConfig = dataclasses.field(default_factory=lambda: LossConfig("grpo"))
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_prompt_tokens: int | None = None
+    max_completion_tokens: int = 256
+    mask_truncated_completions: bool = False
+    failure_score: float = 0.0
+    format_failure_score: float = -1.0
+    eval_every: int = 10
+    checkpoint_every: int = 10
+    seed: int = 0
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    train: Literal["lora", "full"] = "lora"
+    run_dir: str = "runs/mmgrpo"
+    resume: bool = False
+    sampler_batch: int = 64
+    sampler_max_wait_s: float = 0.05
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(field: str, rule: str) -> ValueError:
+            return ValueError(f"MMGRPOConfig.{field} {rule}, got {getattr(self, field)!r}")
+
+        if self.grouping not in ("module", "trajectory"):
+            raise bad("grouping", "must be 'module' or 'trajectory'")
+        if self.align not in ALIGN_MODES:
+            raise bad("align", f"must be one of {ALIGN_MODES}")
+        if self.num_rollouts < 2:
+            raise bad("num_rollouts", "must be >= 2 (a group of one has no advantage)")
+        if self.select_k is not None and self.select_k < 2:
+            raise bad("select_k", "must be >= 2 or null")
+        for field in ("examples_per_step", "num_steps", "num_iterations", "eval_every"):
+            if getattr(self, field) < 1:
+                raise bad(field, "must be >= 1")
+        if self.checkpoint_every < 1:
+            raise bad("checkpoint_every", "must be >= 1")
+        if self.advantage_scale not in SCALES:
+            raise bad("advantage_scale", f"must be one of {SCALES}")
+        if not self.temperature > 0:
+            raise bad("temperature", "must be > 0 (sampling and training share it)")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.max_completion_tokens < 1:
+            raise bad("max_completion_tokens", "must be >= 1")
+        if self.train not in ("lora", "full"):
+            raise bad("train", "must be 'lora' or 'full'")
+        if self.train == "full" and self.loss.beta > 0:
+            raise ValueError(
+                f"MMGRPOConfig.loss.beta={self.loss.beta} needs a reference model; with "
+                "train='full' there is no LoRA-off base. Use beta=0 or train='lora'"
+            )
+
+
+def examples_for_step(num_examples: int, per_step: int, step: int, seed: int) -> list[int]:
+    """Indices of the step's examples: a fresh seeded permutation every epoch, no state."""
+    indices = []
+    for position in range(step * per_step, (step + 1) * per_step):
+        epoch, offset = divmod(position, num_examples)
+        order = np.random.default_rng([seed, epoch]).permutation(num_examples)
+        indices.append(int(order[offset]))
+    return indices
+
+
+def group_trajectories(
+    config: MMGRPOConfig, trajectories: list[Trajectory], step: int
+) -> list[Group]:
+    if config.grouping == "trajectory":
+        return trajectory_level_groups(trajectories, select_k=config.select_k)
+    return module_level_groups(
+        trajectories, align=config.align, select_k=config.select_k, seed=config.seed + step
+    )
+
+
+def group_metrics(groups: Sequence[Group], advantages: Sequence[np.ndarray]) -> dict[str, float]:
+    per_module: Counter[str] = Counter()
+    flat: Counter[str] = Counter()
+    lengths: dict[str, list[int]] = {}
+    for group, adv in zip(groups, advantages, strict=True):
+        name = group.module or "trajectory"
+        per_module[name] += 1
+        flat[name] += int(not np.any(adv))
+        for member in group.members:
+            for call in member.calls:
+                lengths.setdefault(call.predictor, []).append(len(call.completion_ids or ()))
+    metrics: dict[str, float] = {"groups": float(len(groups))}
+    for name, count in per_module.items():
+        metrics[f"groups/{name}"] = float(count)
+        metrics[f"zero_variance_fraction/{name}"] = flat[name] / count
+    for name, values in lengths.items():
+        metrics[f"completion_length/{name}"] = float(np.mean(values))
+    return metrics
+
+
+def evaluate(program: Module, examples: Sequence[Example], metric: Metric, lm: JaxLM) -> float:
+    """Mean greedy reward; failures score 0 here so that a broken format is not rewarded."""
+    if not examples:
+        return float("nan")
+    trajectories = run_rollouts(program, examples, metric, num_rollouts=1, lm=lm)
+    return float(np.mean([t.reward if t.status == "ok" else 0.0 for t in trajectories]))
+
+
+class MMGRPO:
+    """The optimizer; see the module doc."""
+
+    def __init__(
+        self,
+        metric: Metric,
+        config: MMGRPOConfig,
+        *,
+        model: Decoder,
+        tokenizer: HFTokenizer,
+        stop_token_ids: Sequence[int],
+    ) -> None:
+        if config.train == "lora" and model.lora is None:
+            raise ValueError("train='lora' needs a model built with a LoRA adapter (lora=...)")
+        self.metric, self.config, self.model, self.tokenizer = metric, config, model, tokenizer
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.run_dir = Path(config.run_dir)
+        self.history: list[dict[str, float]] = []
+
+    # -- the public entry point -------------------------------------------------------------
+    def compile(
+        self, program: Module, trainset: Sequence[Example], valset: Sequence[Example] = ()
+    ) -> Module:
+        cfg = self.config
+        if cfg.examples_per_step > len(trainset):
+            raise ValueError(
+                f"MMGRPOConfig.examples_per_step={cfg.examples_per_step} is larger than the "
+                f"trainset ({len(trainset)} examples)"
+            )
+        for example in [*trainset, *valset]:
+            example.inputs()  # every row must name its inputs before any compute
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        optimizer = cfg.optim.build(cfg.num_steps)
+        trainable = nnx.LoRAParam if cfg.train == "lora" else nnx.Param
+        graphdef, state, frozen = split_for_training(self.model, optimizer, trainable)
+        step_fn = make_train_step(
+            graphdef, optimizer, cfg.loss, cfg.temperature, cfg.grouping == "trajectory"
+        )
+        logprob_fn = make_logprob_fn(graphdef, cfg.temperature)
+        sampling = Sampling(cfg.max_completion_tokens, cfg.temperature, cfg.top_p)
+        lm = self._lm(sampling, cfg.seed)
+        greedy = self._lm(dataclasses.replace(sampling, temperature=0.0), cfg.seed)
+        manager = ocp.CheckpointManager(
+            (self.run_dir / "checkpoints").absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
+        )
+        start = 0
+        if cfg.resume and manager.latest_step() is not None:
+            state, start = self._restore(manager, state, program, lm)
+            nnx.update(self.model, state.trainable)
+        schedule = cfg.optim.schedule(cfg.num_steps)
+        bar = tqdm(
+            range(start, cfg.num_steps),
+            desc="mmGRPO",
+            disable=not cfg.progress,
+            initial=start,
+            total=cfg.num_steps,
+        )
+        # What a checkpoint must hold is the state after the last *completed* step, including the
+        # sampler's call counter then (an interrupted step has already drawn from it).
+        done, calls_done = start, lm.calls
+        try:
+            for step in bar:
+                record: dict[str, float] = {"step": float(step + 1), "lr": float(schedule(step))}
+                if step % cfg.eval_every == 0 and valset:
+                    record["eval_reward"] = self._timed(
+                        record, "eval", evaluate, program, valset, self.metric, greedy
+                    )
+                state, metrics = self._step(
+                    program, trainset, lm, state, frozen, step_fn, logprob_fn, step, record
+                )
+                done, calls_done = step + 1, lm.calls
+                record.update(metrics)
+                self._log(record)
+                bar.set_postfix(reward=f"{record['reward_mean']:.3f}")
+                if done % cfg.checkpoint_every == 0:
+                    self._save(manager, done, state, program, calls_done)
+            if valset:
+                final = {
+                    "step": float(done),
+                    "eval_reward": evaluate(program, valset, self.metric, greedy),
+                }
+                self._log(final)
+            self._save(manager, done, state, program, calls_done)
+        except KeyboardInterrupt:
+            logger.warning("interrupted: writing a checkpoint at step %d before exiting", done)
+            self._save(manager, done, state, program, calls_done)
+            raise
+        finally:
+            manager.wait_until_finished()
+            lm.close()
+            greedy.close()
+        if cfg.train == "lora":
+            save_peft_adapter(self.model, self.run_dir / "adapter")
+        return program
+
+    # -- one step ------------------------------------------------------------------------------
+    def _step(self, program, trainset, lm, state, frozen, step_fn, logprob_fn, step, record):
+        cfg = self.config
+        chosen = [
+            trainset[i]
+            for i in examples_for_step(len(trainset), cfg.examples_per_step, step, cfg.seed)
+        ]
+        trajectories = self._timed(
+            record,
+            "rollout",
+            run_rollouts,
+            program,
+            chosen,
+            self.metric,
+            num_rollouts=cfg.num_rollouts,
+            lm=lm,
+            failure_score=cfg.failure_score,
+            format_failure_score=cfg.format_failure_score,
+        )
+        rewards = np.array([t.reward for t in trajectories])
+        metrics: dict[str, float] = {k: float(v) for k, v in summarize(trajectories).items()}
+        metrics["reward_std"] = float(rewards.std())
+        groups = group_trajectories(cfg, trajectories, step)
+        advantages = advantages_for_groups(groups, cfg.advantage_scale)
+        metrics.update(group_metrics(groups, advantages))
+        rows = rows_from_groups(
+            groups,
+            advantages,
+            trajectory_level=cfg.grouping == "trajectory",
+            mask_truncated_completions=cfg.mask_truncated_completions,
+        )
+        if not rows:
+            logger.warning("step %d produced no training rows; skipping the update", step + 1)
+            return state, metrics
+        start = time.perf_counter()
+        trajectory_level = cfg.grouping == "trajectory"
+        batch = pack_rows(rows, cfg.optim.micro_batch_size, trajectory_level=trajectory_level)
+        layout = micro_batch_layout(rows, cfg.optim.micro_batch_size, trajectory_level)
+        old = logprob_fn(state.trainable, frozen, batch)
+        metrics["sampler_logprob_gap"] = sampler_gap(rows, old, batch, layout)
+        if cfg.num_iterations > 1:
+            batch = batch.replace(old_logps=old)
+        for _ in range(cfg.num_iterations):
+            state, step_metrics = step_fn(state, frozen, batch)
+        nnx.update(self.model, state.trainable)  # the sampler's next rollouts use the update
+        step_metrics = jax.device_get(step_metrics)
+        train_seconds = time.perf_counter() - start
+        metrics.update({k: float(v) for k, v in step_metrics.items()})
+        metrics["time/train"] = train_seconds
+        metrics["train_tokens_per_s"] = float(step_metrics["tokens"]) / max(train_seconds, 1e-9)
+        metrics["sampler_occupancy"] = lm.stats.occupancy
+        return state, metrics
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _lm(self, sampling: Sampling, seed: int) -> JaxLM:
+        cfg = self.config
+        return JaxLM(
+            self.model,
+            self.tokenizer,
+            sampling=sampling,
+            stop_token_ids=self.stop_token_ids,
+            max_prompt_tokens=cfg.max_prompt_tokens,
+            max_batch=cfg.sampler_batch,
+            max_wait_s=cfg.sampler_max_wait_s,
+            seed=seed,
+        )
+
+    @staticmethod
+    def _timed(record: dict[str, float], name: str, fn, *args, **kwargs):
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        record[f"time/{name}"] = time.perf_counter() - start
+        return result
+
+    def _log(self, record: dict[str, float]) -> None:
+        self.history.append(record)
+        with (self.run_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _save(
+        self, manager, step: int, state: TrainState, program: Module, sampler_calls: int
+    ) -> None:
+        if step in manager.all_steps():
+            return  # the periodic save of this step already holds exactly this state
+        meta = {
+            "step": step,
+            "sampler_calls": sampler_calls,
+            "program": program.dump_state(),
+            "config": dataclasses.asdict(self.config),
+        }
+        manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+            force=True,
+        )
+
+    def _restore(self, manager, state: TrainState, program: Module, lm: JaxLM):
+        step = manager.latest_step()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+            ),
+        )
+        program.load_state(restored.meta["program"])
+        lm.calls = restored.meta["sampler_calls"]
+        logger.info("resumed from step %d in %s", step, self.run_dir)
+        return restored.state, int(restored.meta["step"])
+
+
+def sampler_gap(
+    rows: Sequence[Row], trainer_logps: jax.Array, batch: Batch, layout: list[list[int]]
+) -> float:
+    """Mean |sampler - trainer| log-prob over completion tokens: a health check of the pipeline."""
+    trainer, mask = np.asarray(trainer_logps), np.asarray(batch.loss_mask)
+    gaps = []
+    for m, chunk in enumerate(layout):
+        for i, k in enumerate(chunk):
+            row = rows[k]
+            if row.sampler_logprobs is None or not row.in_loss:
+                continue
+            gaps.append(np.abs(trainer[m, i][mask[m, i]] - np.asarray(row.sampler_logprobs)).mean())
+    return float(np.mean(gaps)) if gaps else math.nan

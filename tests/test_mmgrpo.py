@@ -1,0 +1,173 @@
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from mmgrpo_jax.losses import LossConfig
+from mmgrpo_jax.mmgrpo import MMGRPO, MMGRPOConfig, OptimConfig, examples_for_step
+from mmgrpo_jax.program import Example, Module, Predict
+from models.config import ModelConfig
+from models.decoder import Decoder
+from models.lora import LoRAConfig
+from models.tokenizer import train_bpe_tokenizer
+
+CORPUS = ["Answer the question with a short word: amber birch cedar dune ember."] * 30
+
+
+class TwoModules(Module):
+    """Two bare predictors, the second fed the first's output: any text parses."""
+
+    def __init__(self):
+        self.draft = Predict("question -> draft", bare=True)
+        self.final = Predict("question, draft -> answer", bare=True)
+
+    def forward(self, question):
+        draft = self.draft(question=question).draft
+        return self.final(question=question, draft=draft)
+
+
+def reward(example, prediction):
+    return float(len(prediction.answer) % 3) / 2.0  # varies across random samples
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_bpe_tokenizer(CORPUS, 300, "chatml")
+
+
+def new_model(tokenizer, seed=0):
+    cfg = ModelConfig("llama", len(tokenizer), 32, 64, 1, 4, 2, 8, 1e-5, 1e4)
+    return Decoder(cfg, lora=LoRAConfig(rank=2, alpha=4.0), rngs=nnx.Rngs(seed))
+
+
+def config(tmp_path, **overrides):
+    base = {
+        "num_rollouts": 3,
+        "examples_per_step": 2,
+        "num_steps": 2,
+        "max_completion_tokens": 4,
+        "optim": OptimConfig(lr=5e-2, micro_batch_size=8, decay="linear"),
+        "eval_every": 1,
+        "checkpoint_every": 1,
+        "run_dir": str(tmp_path / "run"),
+        "progress": False,
+        "sampler_max_wait_s": 10.0,  # batches close when every rollout waits, never by timer
+    }
+    return MMGRPOConfig(**{**base, **overrides})
+
+
+TRAIN = [Example(question=f"question {i}?", answer="x").with_inputs("question") for i in range(5)]
+VAL = TRAIN[:2]
+
+
+def run(tokenizer, cfg, model=None, metric=reward):
+    model = model or new_model(tokenizer)
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    optimizer = MMGRPO(metric, cfg, model=model, tokenizer=tokenizer, stop_token_ids=stop)
+    optimizer.compile(TwoModules(), TRAIN, VAL if cfg.eval_every else ())
+    return model, optimizer
+
+
+def base_params(model):
+    return jax.tree.map(np.asarray, nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
+
+
+@pytest.mark.parametrize("grouping", ["module", "trajectory"])
+def test_two_steps_train_only_lora_and_log_everything(tokenizer, tmp_path, grouping):
+    model = new_model(tokenizer)
+    base_before = base_params(model)
+    lora_before = jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))
+    cfg = config(tmp_path, grouping=grouping, loss=LossConfig("grpo", beta=0.04))
+    model, _ = run(tokenizer, cfg, model)
+    jax.tree.map(np.testing.assert_array_equal, base_before, base_params(model))
+    lora_after = jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), lora_before, lora_after)
+    assert any(jax.tree.leaves(moved))
+    lines = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    steps = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in steps] == [1.0, 2.0]
+    for record in steps:
+        assert record["trajectories"] == 6 and record["calls"] == 12
+        for key in (
+            "reward_mean",
+            "reward_std",
+            "groups",
+            "kl_mean",
+            "grad_norm",
+            "lr",
+            "sampler_logprob_gap",
+            "time/rollout",
+            "time/train",
+            "sampler_occupancy",
+        ):
+            assert np.isfinite(record[key]), key
+        assert record["sampler_logprob_gap"] < 1e-4  # sampler and trainer agree before the update
+        assert record["kl_mean"] > 0 or record is steps[0]
+    name = "trajectory" if grouping == "trajectory" else "draft"
+    assert f"groups/{name}" in steps[0]
+    assert "eval_reward" in lines[-1]
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+class Interrupt:
+    """A metric that presses Ctrl-C at its n-th call."""
+
+    def __init__(self, at_call):
+        self.calls, self.at_call = 0, at_call
+
+    def __call__(self, example, prediction):
+        self.calls += 1
+        if self.calls == self.at_call:
+            raise KeyboardInterrupt
+        return reward(example, prediction)
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(tokenizer, tmp_path):
+    steps = dict(num_steps=4, checkpoint_every=3, eval_every=100)
+    straight, _ = run(tokenizer, config(tmp_path / "a", **steps))
+    # metric calls: 2 for the step-0 evaluation, then 2 examples x 3 rollouts per step; call 13
+    # falls inside step 2, after its sampler calls: the checkpoint must hold step 1's state
+    with pytest.raises(KeyboardInterrupt):
+        run(tokenizer, config(tmp_path / "b", **steps), metric=Interrupt(13))
+    interrupted = [
+        json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in interrupted if "loss" in r] == [1.0]
+    resumed, _ = run(tokenizer, config(tmp_path / "b", resume=True, **steps))
+    log = [
+        json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in log if "loss" in r] == [1.0, 2.0, 3.0, 4.0]  # 1-2, then 3-4
+    want = jax.tree.map(np.asarray, nnx.state(straight, nnx.LoRAParam))
+    got = jax.tree.map(np.asarray, nnx.state(resumed, nnx.LoRAParam))
+    jax.tree.map(np.testing.assert_array_equal, want, got)
+
+
+def test_examples_for_step_is_a_pure_epoch_permutation():
+    first_epoch = [i for s in range(3) for i in examples_for_step(6, 2, s, seed=1)]
+    assert sorted(first_epoch) == list(range(6))
+    assert examples_for_step(6, 2, 4, seed=1) == examples_for_step(6, 2, 4, seed=1)
+    assert [i for s in range(3, 6) for i in examples_for_step(6, 2, s, seed=1)] != first_epoch
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_rollouts": 1}, "num_rollouts must be >= 2"),
+        ({"grouping": "call"}, "grouping must be 'module' or 'trajectory'"),
+        ({"loss": LossConfig("grpo", beta=0.1), "train": "full"}, "needs a reference model"),
+        ({"temperature": 0.0}, "temperature must be > 0"),
+    ],
+)
+def test_bad_configs_fail_before_compute(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        config(tmp_path, **overrides)
+
+
+def test_too_many_examples_per_step_is_named(tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="examples_per_step=9 is larger than the trainset"):
+        run(tokenizer, config(tmp_path, examples_per_step=9))
