@@ -10,7 +10,6 @@ checkpoint, and the data order is a pure function of (seed, step).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -33,6 +32,7 @@ from mmgrpo_jax.losses import LossConfig
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.rollout import Metric, Trajectory, run_rollouts, summarize
+from mmgrpo_jax.run_log import RunLogger
 from mmgrpo_jax.train import (
     Batch,
     Row,
@@ -227,7 +227,7 @@ class MMGRPO:
         self.metric, self.config, self.model, self.tokenizer = metric, config, model, tokenizer
         self.stop_token_ids = tuple(stop_token_ids)
         self.run_dir = Path(config.run_dir)
-        self.history: list[dict[str, float]] = []
+        self.log: RunLogger | None = None
 
     # -- the public entry point -------------------------------------------------------------
     def compile(
@@ -241,7 +241,7 @@ class MMGRPO:
             )
         for example in [*trainset, *valset]:
             example.inputs()  # every row must name its inputs before any compute
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = RunLogger(self.run_dir)
         optimizer = cfg.optim.build(cfg.num_steps)
         trainable = nnx.LoRAParam if cfg.train == "lora" else nnx.Param
         graphdef, state, frozen = split_for_training(self.model, optimizer, trainable)
@@ -283,7 +283,7 @@ class MMGRPO:
                 )
                 done, calls_done = step + 1, lm.calls
                 record.update(metrics)
-                self._log(record)
+                self.log.log(record)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}")
                 if done % cfg.checkpoint_every == 0:
                     self._save(manager, done, state, program, calls_done)
@@ -292,7 +292,7 @@ class MMGRPO:
                     "step": float(done),
                     "eval_reward": evaluate(program, valset, self.metric, greedy),
                 }
-                self._log(final)
+                self.log.log(final)
             self._save(manager, done, state, program, calls_done)
         except KeyboardInterrupt:
             logger.warning("interrupted: writing a checkpoint at step %d before exiting", done)
@@ -304,6 +304,7 @@ class MMGRPO:
             greedy.close()
         if cfg.train == "lora":
             save_peft_adapter(self.model, self.run_dir / "adapter")
+        self.summary = self.log.close({"steps": cfg.num_steps, "grouping": cfg.grouping})
         return program
 
     # -- one step ------------------------------------------------------------------------------
@@ -379,11 +380,6 @@ class MMGRPO:
         result = fn(*args, **kwargs)
         record[f"time/{name}"] = time.perf_counter() - start
         return result
-
-    def _log(self, record: dict[str, float]) -> None:
-        self.history.append(record)
-        with (self.run_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(record) + "\n")
 
     def _save(
         self, manager, step: int, state: TrainState, program: Module, sampler_calls: int

@@ -111,6 +111,13 @@ def test_two_steps_train_only_lora_and_log_everything(tokenizer, tmp_path, group
     assert f"groups/{name}" in steps[0]
     assert "eval_reward" in lines[-1]
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["grouping"] == grouping
+    assert summary["eval_reward_before"] == lines[0]["eval_reward"]
+    assert summary["eval_reward_after"] == lines[-1]["eval_reward"]
+    assert summary["wall_seconds"] > 0
+    assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 1000
+    assert any((tmp_path / "run" / "tensorboard").iterdir())
 
 
 class Interrupt:

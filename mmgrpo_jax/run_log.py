@@ -1,0 +1,86 @@
+"""Run logging: metrics.jsonl (always), TensorBoard and a learning-curve PNG when their libraries
+are installed (a GPU box may lack them: that is said once, not ignored), and summary.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class RunLogger:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.history: list[dict[str, float]] = []
+        self.started = time.perf_counter()
+        self._writer = None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                logger.warning("TensorBoard logging is off: tensorboardX is not installed")
+            else:
+                self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def log(self, record: Mapping[str, float]) -> None:
+        record = {k: float(v) for k, v in record.items()}
+        self.history.append(record)
+        with (self.run_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._writer is not None:
+            step = int(record.get("step", len(self.history)))
+            for key, value in record.items():
+                if key != "step" and math.isfinite(value):
+                    self._writer.add_scalar(key, value, step)
+            self._writer.flush()
+
+    def close(self, summary: Mapping[str, Any]) -> dict[str, Any]:
+        """Write summary.json (with eval before/after and wall time) and the curve PNG."""
+        evals = [r["eval_reward"] for r in self.history if "eval_reward" in r]
+        full = {
+            "eval_reward_before": evals[0] if evals else None,
+            "eval_reward_after": evals[-1] if evals else None,
+            "wall_seconds": time.perf_counter() - self.started,
+            **summary,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(full, indent=2))
+        self._plot()
+        if self._writer is not None:
+            self._writer.close()
+        return full
+
+    def _plot(self) -> None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            logger.warning("no learning-curve PNG: matplotlib is not installed")
+            return
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key, label in (
+            ("reward_mean", "train reward (sampled)"),
+            ("eval_reward", "eval reward (greedy)"),
+        ):
+            points = [(r["step"], r[key]) for r in self.history if key in r]
+            if points:
+                ax.plot(
+                    *zip(*points, strict=True),
+                    marker="o" if key == "eval_reward" else None,
+                    label=label,
+                )
+        ax.set_xlabel("step")
+        ax.set_ylabel("reward")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(self.run_dir / "learning_curve.png", dpi=120)
+        plt.close(fig)
