@@ -273,11 +273,14 @@ class MMGRPO:
         done, calls_done = start, lm.calls
         try:
             for step in bar:
-                record: dict[str, float] = {"step": float(step + 1), "lr": float(schedule(step))}
                 if step % cfg.eval_every == 0 and valset:
-                    record["eval_reward"] = self._timed(
-                        record, "eval", evaluate, program, valset, self.metric, greedy
+                    # logged at x = completed updates, so the curve starts at the untrained policy
+                    evaluation: dict[str, float] = {"step": float(step)}
+                    evaluation["eval_reward"] = self._timed(
+                        evaluation, "eval", evaluate, program, valset, self.metric, greedy
                     )
+                    self.log.log(evaluation)
+                record: dict[str, float] = {"step": float(step + 1), "lr": float(schedule(step))}
                 state, metrics = self._step(
                     program, trainset, lm, state, frozen, step_fn, logprob_fn, step, record
                 )

@@ -90,6 +90,7 @@ def test_two_steps_train_only_lora_and_log_everything(tokenizer, tmp_path, group
     ]
     steps = [r for r in lines if "loss" in r]
     assert [r["step"] for r in steps] == [1.0, 2.0]
+    assert [r["step"] for r in lines if "eval_reward" in r] == [0.0, 1.0, 2.0]
     for record in steps:
         assert record["trajectories"] == 6 and record["calls"] == 12
         for key in (
