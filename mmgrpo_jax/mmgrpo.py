@@ -332,6 +332,8 @@ class MMGRPO:
         rewards = np.array([t.reward for t in trajectories])
         metrics: dict[str, float] = {k: float(v) for k, v in summarize(trajectories).items()}
         metrics["reward_std"] = float(rewards.std())
+        sampled = sum(len(c.completion_ids or ()) for t in trajectories for c in t.calls)
+        metrics["rollout_tokens_per_s"] = sampled / max(record["time/rollout"], 1e-9)
         groups = group_trajectories(cfg, trajectories, step)
         advantages = advantages_for_groups(groups, cfg.advantage_scale)
         metrics.update(group_metrics(groups, advantages))

@@ -104,6 +104,8 @@ def test_two_steps_train_only_lora_and_log_everything(tokenizer, tmp_path, group
             "time/rollout",
             "time/train",
             "sampler_occupancy",
+            "rollout_tokens_per_s",
+            "train_tokens_per_s",
         ):
             assert np.isfinite(record[key]), key
         assert record["sampler_logprob_gap"] < 1e-4  # sampler and trainer agree before the update
