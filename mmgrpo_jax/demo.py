@@ -1,111 +1,110 @@
-"""The demo until the trainer lands: rollouts of the synthetic program with a scripted LM, then the
-module-level groups and advantages mmGRPO would train on."""
+"""`mmgrpo demo` (= `make demo`): mmGRPO trains a tiny from-scratch policy on the two-door program.
+
+A 2-layer Llama-architecture model with a word-level vocabulary of the task's words is trained
+in full (no LoRA: nothing is pretrained) with module-level (default) or trajectory-level
+grouping. The run directory gets metrics.jsonl, TensorBoard events, learning_curve.png, orbax
+checkpoints and summary.json with the greedy eval reward before and after.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import json
 import logging
-from typing import TextIO
+from pathlib import Path
+from typing import Any, TextIO
 
-import numpy as np
+from flax import nnx
 
-from mmgrpo_jax.advantages import SCALES, advantages_for_groups
-from mmgrpo_jax.grouping import ALIGN_MODES, Group, module_level_groups
-from mmgrpo_jax.rollout import Trajectory, run_rollouts, summarize
+from mmgrpo_jax.losses import LossConfig
+from mmgrpo_jax.mmgrpo import MMGRPO, MMGRPOConfig, OptimConfig
+from models.config import ModelConfig
+from models.decoder import Decoder
+from models.tokenizer import build_word_tokenizer
 from programs import synthetic
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-    num_examples: int = 3
-    num_rollouts: int = 4
-    align: str = "ragged"
-    scale: str = "group"
-    accuracy: float = 0.7
-    format_error_rate: float = 0.05
-    num_words: int = 6
-    max_links: int = 3
+    grouping: str = "module"
+    num_steps: int = 150
+    num_rollouts: int = 8
+    examples_per_step: int = 16
+    lr: float = 2e-3
+    loss: str = "grpo"
+    epsilon_high: float | None = None
+    hidden_size: int = 32
+    num_layers: int = 2
     seed: int = 0
+    run_dir: str | None = None  # default: runs/demo-<time>
+    progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.num_examples < 1:
-            raise ValueError(f"DemoConfig.num_examples must be >= 1, got {self.num_examples}")
-        if self.num_rollouts < 1:
-            raise ValueError(f"DemoConfig.num_rollouts must be >= 1, got {self.num_rollouts}")
-        if self.align not in ALIGN_MODES:
-            raise ValueError(f"DemoConfig.align must be one of {ALIGN_MODES}, got {self.align!r}")
-        if self.scale not in SCALES:
-            raise ValueError(f"DemoConfig.scale must be one of {SCALES}, got {self.scale!r}")
-        for name in ("accuracy", "format_error_rate"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"DemoConfig.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.grouping not in ("module", "trajectory"):
+            raise ValueError(
+                f"DemoConfig.grouping must be 'module' or 'trajectory', got {self.grouping!r}"
+            )
+        for name in ("num_steps", "num_rollouts", "examples_per_step", "hidden_size", "num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
-@dataclasses.dataclass(frozen=True)
-class DemoResult:
-    trajectories: list[Trajectory]
-    groups: list[Group]
-    advantages: list[np.ndarray]
-
-
-def run_demo(config: DemoConfig) -> DemoResult:
-    table = synthetic.LinkTable.make(config.num_words, seed=config.seed)
-    program = synthetic.LinkFollower(table, max_links=config.max_links)
-    examples = synthetic.make_examples(table, config.num_examples, config.max_links, config.seed)
-    lm = synthetic.noisy_policy(
-        program,
-        accuracy=config.accuracy,
-        format_error_rate=config.format_error_rate,
+def run_demo(config: DemoConfig) -> dict[str, Any]:
+    """Train and return summary.json's content."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(config.run_dir or f"runs/demo-{stamp}")
+    tokenizer = build_word_tokenizer([*synthetic.SIGN_WORDS, *synthetic.DOORS])
+    model_config = ModelConfig(
+        "llama",
+        len(tokenizer),
+        config.hidden_size,
+        2 * config.hidden_size,
+        config.num_layers,
+        4,
+        2,
+        config.hidden_size // 4,
+        1e-5,
+        1e4,
+    )
+    model = Decoder(model_config, rngs=nnx.Rngs(config.seed))
+    trainset = synthetic.two_door_examples(repeats=4)
+    valset = synthetic.two_door_examples()
+    mmgrpo_config = MMGRPOConfig(
+        grouping=config.grouping,
+        num_rollouts=config.num_rollouts,
+        examples_per_step=config.examples_per_step,
+        num_steps=config.num_steps,
+        max_completion_tokens=1,  # one word: the bare predictors' whole reply
+        train="full",
+        loss=LossConfig(config.loss, epsilon_high=config.epsilon_high),
+        optim=OptimConfig(lr=config.lr, decay="linear", micro_batch_size=128),
+        eval_every=10,
+        checkpoint_every=50,
         seed=config.seed,
+        run_dir=str(run_dir),
+        sampler_batch=128,
+        sampler_max_wait_s=1.0,
+        progress=config.progress,
     )
-    trajectories = run_rollouts(
-        program, examples, synthetic.metric, num_rollouts=config.num_rollouts, lm=lm
+    optimizer = MMGRPO(
+        synthetic.two_door_metric,
+        mmgrpo_config,
+        model=model,
+        tokenizer=tokenizer,
+        stop_token_ids=[tokenizer.eos_token_id],
     )
-    groups = module_level_groups(trajectories, align=config.align, seed=config.seed)
-    return DemoResult(trajectories, groups, advantages_for_groups(groups, config.scale))
-
-
-def _numbers(values: list[float] | np.ndarray) -> str:
-    return "[" + ", ".join(f"{v:+.2f}" for v in values) + "]"
-
-
-def print_demo(config: DemoConfig, result: DemoResult, out: TextIO) -> None:
-    def say(line: str = "") -> None:
-        print(line, file=out)
-
-    say(
-        f"mmGRPO demo: synthetic link-following program, scripted LM (accuracy {config.accuracy}),"
-        f" {config.num_examples} examples x G={config.num_rollouts} rollouts"
-    )
-    say("\nTrajectories")
-    say(f"{'ex':>3} {'r':>2}  {'status':<15}{'reward':>7}  calls")
-    for t in result.trajectories:
-        calls = " ".join(f"{c.predictor}[{c.invocation}]{'' if c.parsed else '!'}" for c in t.calls)
-        say(f"{t.example_index:>3} {t.rollout_index:>2}  {t.status:<15}{t.reward:>7.1f}  {calls}")
-    stats = summarize(result.trajectories)
-    say(
-        f"{stats['trajectories']} trajectories: ok {stats['status_ok']}, format_failure "
-        f"{stats['status_format_failure']}, error {stats['status_error']};"
-        f" mean reward {stats['reward_mean']:.3f}  ('!' marks a call that failed to parse)"
-    )
-    say(f"\nModule-level groups (align={config.align}, scale={config.scale})")
-    say(f"{'ex':>3} {'module':<8}{'k':>2}  {'members':<14}{'rewards':<34}advantages")
-    for group, adv in zip(result.groups, result.advantages, strict=True):
-        members = ",".join(str(m.rollout_index) for m in group.members)
-        say(
-            f"{group.example_index:>3} {group.module:<8}{group.invocation:>2}  {members:<14}"
-            f"{_numbers(group.rewards):<34}{_numbers(adv)}"
-        )
-    zero = sum(1 for a in result.advantages if not np.any(a))
-    say(f"{len(result.groups)} groups, {zero} with all-zero advantages (no learning signal)")
+    optimizer.compile(synthetic.TwoDoors(), trainset, valset)
+    return {**optimizer.summary, "run_dir": str(run_dir)}
 
 
 def main(config: DemoConfig, out: TextIO) -> int:
     rollout_logger = logging.getLogger("mmgrpo_jax.rollout")
     level = rollout_logger.level
-    rollout_logger.setLevel(logging.ERROR)  # the demo prints every status itself
+    rollout_logger.setLevel(logging.ERROR)  # a random policy's parse failures are expected
     try:
-        print_demo(config, run_demo(config), out)
+        summary = run_demo(config)
     finally:
         rollout_logger.setLevel(level)
+    print(json.dumps(summary, indent=2), file=out)
     return 0

@@ -106,3 +106,28 @@ def train_bpe_tokenizer(
     )
     tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def build_word_tokenizer(
+    words: Sequence[str], template: str = "chatml"
+) -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer that knows only `words` (everything else is [UNK]).
+
+    For policies trained from scratch on toy programs: a vocabulary of a handful of content words
+    keeps a random policy's replies among the few answers that parse.
+    """
+    if template not in TEMPLATES:
+        raise ValueError(f"template must be one of {sorted(TEMPLATES)}, got {template!r}")
+    chat_template, specials, eos, bos = TEMPLATES[template]
+    duplicates = sorted({w for w in words if list(words).count(w) > 1})
+    if duplicates or not words:
+        raise ValueError(f"words must be distinct and non-empty, got duplicates {duplicates}")
+    vocab = {token: i for i, token in enumerate(["[UNK]", *specials, *words])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.decoder = decoders.WordPiece(prefix="##")  # joins words with single spaces
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=eos, bos_token=bos, pad_token=eos, unk_token="[UNK]"
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer

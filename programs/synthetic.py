@@ -127,3 +127,60 @@ def noisy_policy(
         return adapter.format_outputs(predictor.signature, outputs)
 
     return ScriptedLM(respond, token_ids=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Two doors: the demo task, built so a tiny policy trained from scratch can learn it in minutes.
+
+SIGN_WORDS = ("amber", "birch", "cedar", "dune")
+DOORS = ("left", "right")
+_NEXT = {w: SIGN_WORDS[(i + 1) % len(SIGN_WORDS)] for i, w in enumerate(SIGN_WORDS)}
+_DECOY = {w: SIGN_WORDS[(i - 1) % len(SIGN_WORDS)] for i, w in enumerate(SIGN_WORDS)}
+_RIGHT_DOOR = {w: DOORS[i % 2] for i, w in enumerate(SIGN_WORDS)}
+
+
+class TwoDoors(Module):
+    """door (clue -> left | right) -> tool: the sign behind it -> answer (sign -> word).
+
+    The right door shows the word after the clue's word, the wrong one a decoy. Only the answer
+    is scored. Why this shape: module `door` is right half the time at init, and module `answer`
+    sees only the sign, so it cannot win with a constant (4 answers) and copying the sign pays
+    exactly when `door` was right: each module's signal depends on the other, as in the paper's
+    programs, yet neither starts at zero. Both predictors are bare: one-word replies.
+    """
+
+    def __init__(self) -> None:
+        self.door = Predict(
+            Signature(
+                (Field("clue", str, "a word"),),
+                (Field("door", Literal[DOORS], "the door to open"),),
+                "Open the door that hides the sign for this clue.",
+            ),
+            bare=True,
+        )
+        self.answer = Predict(
+            Signature(
+                (Field("sign", str, "the word written behind the door"),),
+                (Field("answer", Literal[SIGN_WORDS], "the answer"),),
+                "Answer with the word on the sign.",
+            ),
+            bare=True,
+        )
+
+    def forward(self, clue: str) -> Prediction:
+        door = self.door(clue=clue).door
+        sign = _NEXT[clue] if door == _RIGHT_DOOR[clue] else _DECOY[clue]
+        return self.answer(sign=sign)
+
+
+def two_door_examples(repeats: int = 1) -> list[Example]:
+    """Every clue once per repeat; the answer is the word after the clue's."""
+    return [
+        Example(clue=w, answer=_NEXT[w]).with_inputs("clue")
+        for _ in range(repeats)
+        for w in SIGN_WORDS
+    ]
+
+
+def two_door_metric(example: Example, prediction: Prediction) -> float:
+    return float(prediction.answer == example.answer)

@@ -1,14 +1,17 @@
 import io
+import json
 
 import numpy as np
 import pytest
 
 from mmgrpo_jax import cli
-from mmgrpo_jax.demo import DemoConfig, print_demo, run_demo
+from mmgrpo_jax.demo import DemoConfig
+from mmgrpo_jax.demo import run_demo as run_training_demo
+from mmgrpo_jax.groups_demo import GroupsDemoConfig, print_demo, run_demo
 
 
 def test_demo_groups_match_traces_and_advantages_are_normalised():
-    config = DemoConfig(num_examples=4, num_rollouts=6, align="ragged", seed=3)
+    config = GroupsDemoConfig(num_examples=4, num_rollouts=6, align="ragged", seed=3)
     result = run_demo(config)
     assert len(result.trajectories) == 24
     by_key = {(t.example_index, t.rollout_index): t for t in result.trajectories}
@@ -30,14 +33,44 @@ def test_demo_groups_match_traces_and_advantages_are_normalised():
     assert "Module-level groups (align=ragged, scale=group)" in out.getvalue()
 
 
-def test_cli_demo_runs_with_overrides(capsys):
-    assert cli.main(["demo", "num_examples=2", "num_rollouts=3", "align=truncate"]) == 0
+def test_cli_groups_runs_with_overrides(capsys):
+    assert cli.main(["groups", "num_examples=2", "num_rollouts=3", "align=truncate"]) == 0
     printed = capsys.readouterr().out
     assert "2 examples x G=3 rollouts" in printed
     assert "start" in printed and "hop" in printed
 
 
-def test_cli_demo_rejects_bad_values_with_the_field_name(capsys):
+def test_cli_groups_rejects_bad_values_with_the_field_name(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["demo", "accuracy=2"])
-    assert "DemoConfig.accuracy must be in [0, 1], got 2" in capsys.readouterr().err
+        cli.main(["groups", "accuracy=2"])
+    assert "GroupsDemoConfig.accuracy must be in [0, 1], got 2" in capsys.readouterr().err
+
+
+def test_cli_demo_trains_and_writes_the_run_directory(tmp_path, capsys):
+    run_dir = tmp_path / "demo"
+    args = [
+        "demo",
+        "--grouping",
+        "trajectory",
+        "num_steps=2",
+        f"run_dir={run_dir}",
+        "progress=false",
+    ]
+    assert cli.main(args) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["grouping"] == "trajectory" and summary["steps"] == 2
+    assert json.loads(capsys.readouterr().out)["run_dir"] == str(run_dir)
+    for name in ("metrics.jsonl", "learning_curve.png", "checkpoints"):
+        assert (run_dir / name).exists(), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grouping", ["module", "trajectory"])
+def test_demo_learns_the_two_door_program(tmp_path, grouping):
+    """Item 5 of the trainer issue: a lift of at least 0.4, ending at 0.7 or more."""
+    summary = run_training_demo(
+        DemoConfig(grouping=grouping, run_dir=str(tmp_path), progress=False)
+    )
+    assert summary["eval_reward_after"] >= 0.7
+    assert summary["eval_reward_after"] - summary["eval_reward_before"] >= 0.4
+    assert summary["wall_seconds"] < 600
