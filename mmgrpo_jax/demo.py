@@ -34,6 +34,7 @@ class DemoConfig:
     lr: float = 2e-3
     loss: str = "grpo"
     epsilon_high: float | None = None
+    format_failure_score: float = -1.0
     hidden_size: int = 32
     num_layers: int = 2
     seed: int = 0
@@ -76,6 +77,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         examples_per_step=config.examples_per_step,
         num_steps=config.num_steps,
         max_completion_tokens=1,  # one word: the bare predictors' whole reply
+        format_failure_score=config.format_failure_score,
         train="full",
         loss=LossConfig(config.loss, epsilon_high=config.epsilon_high),
         optim=OptimConfig(lr=config.lr, decay="linear", micro_batch_size=128),
