@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmgrpo_jax.sampling import MIN_LENGTH_BUCKET, bucket, generate
+from mmgrpo_jax.sampling import MIN_LENGTH_BUCKET, generate
+from mmgrpo_jax.shapes import bucket
 from models.config import ModelConfig
 from models.decoder import Decoder
 

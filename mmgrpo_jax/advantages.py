@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmgrpo_jax.grouping import Group, flatten_rewards
+from mmgrpo_jax.shapes import bucket
 
 Scale = Literal["group", "batch", "none"]
 SCALES: tuple[str, ...] = get_args(Scale)
@@ -85,9 +86,7 @@ def group_advantages(
     return _group_advantages(rewards, group_ids, scale=scale, eps=float(eps))
 
 
-def bucket_size(n: int, minimum: int = 16) -> int:
-    """The padded length for n rows: the next power of two, so sizes compile O(log N) times."""
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
+MIN_ROWS_BUCKET = 16
 
 
 def advantages_for_groups(
@@ -97,7 +96,7 @@ def advantages_for_groups(
     if not groups:
         return []
     rewards, ids = flatten_rewards(groups)
-    size = bucket_size(len(rewards))
+    size = bucket(len(rewards), MIN_ROWS_BUCKET)
     padded_rewards = np.zeros(size, np.float32)
     padded_ids = np.full(size, -1, np.int32)
     padded_rewards[: len(rewards)], padded_ids[: len(ids)] = rewards, ids

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from mmgrpo_jax.shapes import bucket
 from models.decoder import Decoder, KVCache
 from models.sharding import batch_multiple, batch_sharding, cache_sharding
 
@@ -54,11 +55,6 @@ class DecodeState:
     done: jax.Array  # [B]
     cache: KVCache
     key: jax.Array
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """The next power of two >= max(n, minimum)."""
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 def _sample(

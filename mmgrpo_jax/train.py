@@ -23,7 +23,8 @@ from flax import nnx
 
 from mmgrpo_jax.grouping import Group
 from mmgrpo_jax.losses import LossConfig, policy_loss
-from mmgrpo_jax.sampling import MIN_LENGTH_BUCKET, bucket
+from mmgrpo_jax.sampling import MIN_LENGTH_BUCKET
+from mmgrpo_jax.shapes import bucket
 from models.decoder import Decoder
 
 

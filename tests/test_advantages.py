@@ -6,8 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmgrpo_jax import advantages
-from mmgrpo_jax.advantages import advantages_for_groups, bucket_size, group_advantages
+from mmgrpo_jax.advantages import MIN_ROWS_BUCKET, advantages_for_groups, group_advantages
 from mmgrpo_jax.grouping import Group, GroupMember
+from mmgrpo_jax.shapes import bucket
 
 N = 64  # the fixed padded size every hypothesis case uses
 
@@ -116,7 +117,8 @@ def test_bad_inputs_name_the_value(rewards, ids, kwargs, message):
 
 
 def test_bucket_size_is_a_power_of_two_at_least_16():
-    assert [bucket_size(n) for n in (0, 1, 16, 17, 100, 1024, 1025)] == [
+    assert MIN_ROWS_BUCKET == 16
+    assert [bucket(n, MIN_ROWS_BUCKET) for n in (0, 1, 16, 17, 100, 1024, 1025)] == [
         16,
         16,
         16,

@@ -7,6 +7,7 @@ from flax import nnx
 
 from mmgrpo_jax import sampling
 from mmgrpo_jax.sampling import generate
+from mmgrpo_jax.shapes import bucket
 from models.hf import from_pretrained
 from tests.models.hf_fixtures import VOCAB, load_hf
 
@@ -148,7 +149,7 @@ def test_compiles_a_bounded_number_of_times(checkpoints):
             rng.integers(0, VOCAB, rng.integers(1, longest + 1)).tolist() for _ in range(batch)
         ]
         generate(model, prompts, max_new_tokens=int(rng.integers(1, 9)), temperature=0)
-        shapes.add((sampling.bucket(batch), sampling.bucket(max(map(len, prompts)), 16)))
+        shapes.add((bucket(batch), bucket(max(map(len, prompts)), 16)))
     # batch buckets {1, 2, 4} x prompt buckets {16, 32}: at most 6, one per shape seen
     assert sampling._prefill._cache_size() == len(shapes) <= 6
     assert sampling._decode._cache_size() == len(shapes)
