@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import logging
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -19,6 +18,7 @@ from flax import nnx
 
 from mmgrpo_jax.losses import LossConfig
 from mmgrpo_jax.mmgrpo import MMGRPO, MMGRPOConfig, OptimConfig
+from mmgrpo_jax.rollout import quiet_failure_warnings
 from models.config import ModelConfig
 from models.decoder import Decoder
 from models.tokenizer import build_word_tokenizer
@@ -101,12 +101,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
 
 
 def main(config: DemoConfig, out: TextIO) -> int:
-    rollout_logger = logging.getLogger("mmgrpo_jax.rollout")
-    level = rollout_logger.level
-    rollout_logger.setLevel(logging.ERROR)  # a random policy's parse failures are expected
-    try:
+    with quiet_failure_warnings():  # a random policy's parse failures are expected
         summary = run_demo(config)
-    finally:
-        rollout_logger.setLevel(level)
     print(json.dumps(summary, indent=2), file=out)
     return 0

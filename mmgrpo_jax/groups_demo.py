@@ -4,14 +4,13 @@ groups and advantages mmGRPO would train on; a look at the data, no model involv
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import TextIO
 
 import numpy as np
 
 from mmgrpo_jax.advantages import SCALES, advantages_for_groups
 from mmgrpo_jax.grouping import ALIGN_MODES, Group, module_level_groups
-from mmgrpo_jax.rollout import Trajectory, run_rollouts, summarize
+from mmgrpo_jax.rollout import Trajectory, quiet_failure_warnings, run_rollouts, summarize
 from programs import synthetic
 
 
@@ -105,11 +104,6 @@ def print_demo(config: GroupsDemoConfig, result: GroupsDemoResult, out: TextIO) 
 
 
 def main(config: GroupsDemoConfig, out: TextIO) -> int:
-    rollout_logger = logging.getLogger("mmgrpo_jax.rollout")
-    level = rollout_logger.level
-    rollout_logger.setLevel(logging.ERROR)  # the demo prints every status itself
-    try:
+    with quiet_failure_warnings():  # the demo prints every status itself
         print_demo(config, run_demo(config), out)
-    finally:
-        rollout_logger.setLevel(level)
     return 0

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -228,6 +228,7 @@ class MMGRPO:
         self.stop_token_ids = tuple(stop_token_ids)
         self.run_dir = Path(config.run_dir)
         self.log: RunLogger | None = None
+        self.summary: dict[str, Any] | None = None  # summary.json's content, after compile
 
     # -- the public entry point -------------------------------------------------------------
     def compile(

@@ -7,12 +7,13 @@ counted in `summarize` and logged. Nothing is dropped: every (example, rollout) 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import numbers
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -157,6 +158,17 @@ def run_rollouts(
         results = pool.map(job, jobs)
         bar = tqdm(results, total=len(jobs), desc="rollouts", disable=not progress, leave=False)
         return list(bar)
+
+
+@contextlib.contextmanager
+def quiet_failure_warnings() -> Iterator[None]:
+    """Silence the per-trajectory warnings for callers that report every status themselves."""
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def summarize(trajectories: Sequence[Trajectory]) -> dict[str, float]:
