@@ -34,6 +34,7 @@ class DemoConfig:
     lr: float = 2e-3
     loss: str = "grpo"
     epsilon_high: float | None = None
+    beta: float = 0.0  # k3 KL to a frozen copy of the initial weights
     format_failure_score: float = -1.0
     hidden_size: int = 32
     num_layers: int = 2
@@ -79,7 +80,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         max_completion_tokens=1,  # one word: the bare predictors' whole reply
         format_failure_score=config.format_failure_score,
         train="full",
-        loss=LossConfig(config.loss, epsilon_high=config.epsilon_high),
+        loss=LossConfig(config.loss, epsilon_high=config.epsilon_high, beta=config.beta),
         optim=OptimConfig(lr=config.lr, decay="linear", micro_batch_size=128),
         eval_every=10,
         checkpoint_every=50,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -155,11 +156,6 @@ class MMGRPOConfig:
             raise bad("max_completion_tokens", "must be >= 1")
         if self.train not in ("lora", "full"):
             raise bad("train", "must be 'lora' or 'full'")
-        if self.train == "full" and self.loss.beta > 0:
-            raise ValueError(
-                f"MMGRPOConfig.loss.beta={self.loss.beta} needs a reference model; with "
-                "train='full' there is no LoRA-off base. Use beta=0 or train='lora'"
-            )
 
 
 def examples_for_step(num_examples: int, per_step: int, step: int, seed: int) -> list[int]:
@@ -250,6 +246,10 @@ class MMGRPO:
             graphdef, optimizer, cfg.loss, cfg.temperature, cfg.grouping == "trajectory"
         )
         logprob_fn = make_logprob_fn(graphdef, cfg.temperature)
+        # "full" training has no LoRA-off base to measure KL against: a frozen copy of the start
+        reference = None
+        if cfg.train == "full" and cfg.loss.beta > 0:
+            reference = jax.tree.map(jnp.copy, state.trainable)
         sampling = Sampling(cfg.max_completion_tokens, cfg.temperature, cfg.top_p)
         lm = self._lm(sampling, cfg.seed)
         greedy = self._lm(dataclasses.replace(sampling, temperature=0.0), cfg.seed)
@@ -259,7 +259,7 @@ class MMGRPO:
         )
         start = 0
         if cfg.resume and manager.latest_step() is not None:
-            state, start = self._restore(manager, state, program, lm)
+            state, reference, start = self._restore(manager, state, reference, program, lm)
             nnx.update(self.model, state.trainable)
         schedule = cfg.optim.schedule(cfg.num_steps)
         bar = tqdm(
@@ -283,24 +283,31 @@ class MMGRPO:
                     self.log.log(evaluation)
                 record: dict[str, float] = {"step": float(step + 1), "lr": float(schedule(step))}
                 state, metrics = self._step(
-                    program, trainset, lm, state, frozen, step_fn, logprob_fn, step, record
+                    program,
+                    trainset,
+                    lm,
+                    (state, frozen, reference),
+                    step_fn,
+                    logprob_fn,
+                    step,
+                    record,
                 )
                 done, calls_done = step + 1, lm.calls
                 record.update(metrics)
                 self.log.log(record)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}")
                 if done % cfg.checkpoint_every == 0:
-                    self._save(manager, done, state, program, calls_done)
+                    self._save(manager, done, (state, reference), program, calls_done)
             if valset:
                 final = {
                     "step": float(done),
                     "eval_reward": evaluate(program, valset, self.metric, greedy),
                 }
                 self.log.log(final)
-            self._save(manager, done, state, program, calls_done)
+            self._save(manager, done, (state, reference), program, calls_done)
         except KeyboardInterrupt:
             logger.warning("interrupted: writing a checkpoint at step %d before exiting", done)
-            self._save(manager, done, state, program, calls_done)
+            self._save(manager, done, (state, reference), program, calls_done)
             raise
         finally:
             manager.wait_until_finished()
@@ -312,8 +319,9 @@ class MMGRPO:
         return program
 
     # -- one step ------------------------------------------------------------------------------
-    def _step(self, program, trainset, lm, state, frozen, step_fn, logprob_fn, step, record):
+    def _step(self, program, trainset, lm, weights, step_fn, logprob_fn, step, record):
         cfg = self.config
+        state, frozen, reference = weights
         chosen = [
             trainset[i]
             for i in examples_for_step(len(trainset), cfg.examples_per_step, step, cfg.seed)
@@ -356,7 +364,7 @@ class MMGRPO:
         if cfg.num_iterations > 1:
             batch = batch.replace(old_logps=old)
         for _ in range(cfg.num_iterations):
-            state, step_metrics = step_fn(state, frozen, batch)
+            state, step_metrics = step_fn(state, frozen, batch, reference)
         nnx.update(self.model, state.trainable)  # the sampler's next rollouts use the update
         step_metrics = jax.device_get(step_metrics)
         train_seconds = time.perf_counter() - start
@@ -387,9 +395,7 @@ class MMGRPO:
         record[f"time/{name}"] = time.perf_counter() - start
         return result
 
-    def _save(
-        self, manager, step: int, state: TrainState, program: Module, sampler_calls: int
-    ) -> None:
+    def _save(self, manager, step: int, weights, program: Module, sampler_calls: int) -> None:
         if step in manager.all_steps():
             return  # the periodic save of this step already holds exactly this state
         meta = {
@@ -398,27 +404,27 @@ class MMGRPO:
             "program": program.dump_state(),
             "config": dataclasses.asdict(self.config),
         }
-        manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
+        state, reference = weights
+        items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+        if reference is not None:
+            items["reference"] = ocp.args.StandardSave(reference)
+        manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-    def _restore(self, manager, state: TrainState, program: Module, lm: JaxLM):
+    def _restore(self, manager, state: TrainState, reference, program: Module, lm: JaxLM):
         step = manager.latest_step()
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        restored = manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
-        )
+
+        def abstract(tree):
+            return ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, tree))
+
+        items = {"state": abstract(state), "meta": ocp.args.JsonRestore()}
+        if reference is not None:
+            items["reference"] = abstract(reference)
+        restored = manager.restore(step, args=ocp.args.Composite(**items))
         program.load_state(restored.meta["program"])
         lm.calls = restored.meta["sampler_calls"]
         logger.info("resumed from step %d in %s", step, self.run_dir)
-        return restored.state, int(restored.meta["step"])
+        reference = restored.reference if reference is not None else None
+        return restored.state, reference, int(restored.meta["step"])
 
 
 def sampler_gap(

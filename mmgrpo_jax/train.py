@@ -192,7 +192,7 @@ class TrainState:
     opt_state: optax.OptState
 
 
-TrainStep = Callable[[TrainState, nnx.State, Batch], tuple[TrainState, dict[str, jax.Array]]]
+TrainStep = Callable[..., tuple[TrainState, dict[str, jax.Array]]]
 
 
 def split_for_training(
@@ -242,20 +242,24 @@ def make_train_step(
     """A jitted (state, frozen, batch) -> (state, metrics); the state's buffers are donated.
 
     Gradients of the micro-batches are summed (their losses carry the whole step's normalisers)
-    and applied once. With beta > 0 the reference log-probs come from the same weights with LoRA
-    off. Old log-probs are `batch.old_logps` when given (several updates per rollout batch), else
+    and applied once. With beta > 0 the reference log-probs come from `reference` (a frozen copy of
+    the trainable state, for "full" training) or else from the same weights with LoRA off. Old
+    log-probs are `batch.old_logps` when given (several updates per rollout batch), else
     the current ones under stop_gradient.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for training log-probs, got {temperature}")
 
-    def micro_loss(trainable, frozen, micro, batch, count):
+    def micro_loss(trainable, frozen, micro, batch, count, reference):
         tokens, valid, loss_mask, advantages, trajectory_ids, *old = micro
         model = nnx.merge(graphdef, trainable, frozen)
         logps = token_logprobs(model, tokens, valid, temperature)
         ref = None
-        if loss_cfg.beta > 0:
+        if loss_cfg.beta > 0 and reference is None:
             ref = token_logprobs(model, tokens, valid, temperature, use_lora=False)
+        elif loss_cfg.beta > 0:
+            ref_model = nnx.merge(graphdef, reference, frozen)
+            ref = jax.lax.stop_gradient(token_logprobs(ref_model, tokens, valid, temperature))
         return policy_loss(
             loss_cfg,
             logps,
@@ -271,13 +275,13 @@ def make_train_step(
 
     @functools.partial(jax.jit, donate_argnums=0)
     def step(
-        state: TrainState, frozen: nnx.State, batch: Batch
+        state: TrainState, frozen: nnx.State, batch: Batch, reference: nnx.State | None = None
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         count = batch.tokens.shape[0]
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
         def accumulate(grads, micro):
-            (loss, metrics), g = grad_fn(state.trainable, frozen, micro, batch, count)
+            (loss, metrics), g = grad_fn(state.trainable, frozen, micro, batch, count, reference)
             return jax.tree.map(jnp.add, grads, g), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, state.trainable)

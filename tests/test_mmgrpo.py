@@ -136,8 +136,13 @@ class Interrupt:
         return reward(example, prediction)
 
 
-def test_interrupted_and_resumed_equals_uninterrupted(tokenizer, tmp_path):
-    steps = dict(num_steps=4, checkpoint_every=3, eval_every=100)
+@pytest.mark.parametrize(
+    "mode",
+    [{}, {"train": "full", "loss": LossConfig("grpo", beta=0.1)}],
+    ids=["lora", "full-with-frozen-reference"],
+)
+def test_interrupted_and_resumed_equals_uninterrupted(tokenizer, tmp_path, mode):
+    steps = dict(num_steps=4, checkpoint_every=3, eval_every=100, **mode)
     straight, _ = run(tokenizer, config(tmp_path / "a", **steps))
     # metric calls: 2 for the step-0 evaluation, then 2 examples x 3 rollouts per step; call 13
     # falls inside step 2, after its sampler calls: the checkpoint must hold step 1's state
@@ -152,8 +157,8 @@ def test_interrupted_and_resumed_equals_uninterrupted(tokenizer, tmp_path):
         json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in log if "loss" in r] == [1.0, 2.0, 3.0, 4.0]  # 1-2, then 3-4
-    want = jax.tree.map(np.asarray, nnx.state(straight, nnx.LoRAParam))
-    got = jax.tree.map(np.asarray, nnx.state(resumed, nnx.LoRAParam))
+    want = jax.tree.map(np.asarray, nnx.state(straight, nnx.Param))
+    got = jax.tree.map(np.asarray, nnx.state(resumed, nnx.Param))
     jax.tree.map(np.testing.assert_array_equal, want, got)
 
 
@@ -169,7 +174,7 @@ def test_examples_for_step_is_a_pure_epoch_permutation():
     [
         ({"num_rollouts": 1}, "num_rollouts must be >= 2"),
         ({"grouping": "call"}, "grouping must be 'module' or 'trajectory'"),
-        ({"loss": LossConfig("grpo", beta=0.1), "train": "full"}, "needs a reference model"),
+        ({"train": "partial"}, "train must be 'lora' or 'full'"),
         ({"temperature": 0.0}, "temperature must be > 0"),
     ],
 )

@@ -13,6 +13,7 @@ from mmgrpo_jax.losses import LossConfig, policy_loss
 from mmgrpo_jax.rollout import run_rollouts
 from mmgrpo_jax.train import (
     Row,
+    TrainState,
     make_logprob_fn,
     make_train_step,
     pack_rows,
@@ -175,6 +176,30 @@ def test_full_mode_trains_every_parameter():
         lambda a, b: not np.array_equal(a, np.asarray(b)), before, new_state.trainable
     )
     assert all(jax.tree.leaves(changed))
+
+
+def test_full_mode_kl_uses_the_frozen_reference_copy():
+    """The k3 term against a frozen copy: zero at the copy, the numpy k3 mean once it moved."""
+    rows = make_rows(seed=4)
+    cfg = LossConfig("grpo", beta=0.5)
+    model = Decoder(CFG, rngs=nnx.Rngs(2))
+    optimizer = optax.sgd(0.0)
+    graphdef, state, frozen = split_for_training(model, optimizer, trainable=nnx.Param)
+    reference = jax.tree.map(jnp.copy, state.trainable)
+    batch = pack_rows(rows, micro_batch_size=len(rows))
+    step = make_train_step(graphdef, optimizer, cfg, TEMPERATURE)
+    state, metrics = step(state, frozen, batch, reference)
+    assert abs(float(metrics["kl_mean"])) < 1e-6
+    moved = jax.tree.map(lambda x: x * 1.3, reference)
+    want_policy = nnx.merge(graphdef, moved, frozen)
+    want_ref = nnx.merge(graphdef, reference, frozen)
+    logp = np.asarray(full_batch_logps(want_policy, batch.tokens[0], batch.valid[0]))
+    ref = np.asarray(full_batch_logps(want_ref, batch.tokens[0], batch.valid[0]))
+    mask = np.asarray(batch.loss_mask[0])
+    k3 = np.exp(ref - logp) - (ref - logp) - 1
+    _, metrics = step(TrainState(moved, state.opt_state), frozen, batch, reference)
+    assert float(metrics["kl_mean"]) > 1e-3
+    np.testing.assert_allclose(float(metrics["kl_mean"]), k3[mask].mean(), rtol=1e-4)
 
 
 def test_rows_and_steps_reject_bad_input():
