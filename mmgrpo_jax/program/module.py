@@ -41,8 +41,10 @@ class Module:
         return [p for _, p in self.named_predictors()]
 
     def copy(self) -> Module:
-        """A deep copy whose predictors share the original LMs (LMs hold weights and locks)."""
+        """A deep copy that shares the original's LMs and tools (they hold weights, indexes and
+        locks): predictors' LMs and every callable attribute that is not itself a module."""
         shared = {id(p.lm): p.lm for p in self.predictors() if p.lm is not None}
+        _collect_callables(self, shared, visited=set())
         return copy.deepcopy(self, memo=shared)
 
     def set_lm(self, lm: LM | None) -> None:
@@ -68,6 +70,22 @@ class Module:
 
     def load(self, path: str | Path) -> None:
         self.load_state(json.loads(Path(path).read_text()))
+
+
+def _collect_callables(obj: Any, found: dict[int, Any], visited: set[int]) -> None:
+    if id(obj) in visited:
+        return
+    visited.add(id(obj))
+    values = vars(obj).values() if isinstance(obj, Module) else ()
+    if isinstance(obj, list | tuple):
+        values = obj
+    elif isinstance(obj, dict):
+        values = obj.values()
+    for value in values:
+        if callable(value) and not isinstance(value, Module | type):
+            found[id(value)] = value
+        else:
+            _collect_callables(value, found, visited)
 
 
 def _walk(obj: Any, prefix: str, found: dict[int, tuple[str, Predict]], visited: set[int]) -> None:

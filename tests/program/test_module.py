@@ -176,6 +176,26 @@ def test_copy_is_independent_but_shares_the_lm():
     assert clone.shared is clone.first
 
 
+class Tool:
+    """A tool that cannot be deep-copied, like a retriever holding a lock or an index."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def __call__(self, query):
+        return [query]
+
+
+def test_copy_shares_tools_and_untraced_lms():
+    program = Outer()
+    program.tools = {"search": Tool()}
+    program.untrusted = ScriptedLM(lambda m: "x")
+    program.untrusted.lock = threading.Lock()
+    clone = program.copy()
+    assert clone.tools["search"] is program.tools["search"]
+    assert clone.untrusted is program.untrusted and clone.first is not program.first
+
+
 def test_bare_predictor_reads_the_reply_as_the_value():
     predict = Predict("q -> n: int", bare=True, lm=ScriptedLM(lambda m: " 42 "))
     assert predict(q="x").n == 42
