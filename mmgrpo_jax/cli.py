@@ -26,6 +26,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "groups", help="scripted rollouts of the synthetic program and the groups formed from them"
     )
     _config_arguments(groups, "GroupsDemoConfig")
+    train = commands.add_parser(
+        "train", help="mmGRPO on a paper task from a local checkpoint (experiments/configs/)"
+    )
+    _config_arguments(train, "TrainConfig")
+    evaluate = commands.add_parser(
+        "eval", help="greedy evaluation of a checkpoint (and adapter) on a task split"
+    )
+    evaluate.add_argument("--program", help="banking77 | papillon | hover (task.name)")
+    evaluate.add_argument("--model", help="local HF checkpoint directory (model_path)")
+    evaluate.add_argument("--adapter", help="PEFT adapter directory (adapter_path)")
+    evaluate.add_argument("--split", help="train | dev | test")
+    evaluate.add_argument("--limit", help="first N examples of the split")
+    evaluate.add_argument("--out", help="predictions JSONL path")
+    _config_arguments(evaluate, "EvalConfig")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -37,13 +51,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mmgrpo_jax import groups_demo as module
 
         config_cls, overrides = module.GroupsDemoConfig, args.overrides
+    elif args.command in ("train", "eval"):
+        from mmgrpo_jax import experiment as module
+
+        config_cls = module.TrainConfig if args.command == "train" else module.EvalConfig
+        flags = {
+            "program": "task.name",
+            "model": "model_path",
+            "adapter": "adapter_path",
+            "split": "split",
+            "limit": "limit",
+            "out": "out",
+        }
+        given = [
+            f"{key}={getattr(args, flag)}"
+            for flag, key in flags.items()
+            if getattr(args, flag, None) is not None
+        ]
+        overrides = [*args.overrides, *given]
     else:
         raise AssertionError(f"unhandled command {args.command!r}")
     try:
         config = load_config(config_cls, args.config, overrides)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
-    return module.main(config, sys.stdout)
+    try:
+        return module.main(config, sys.stdout)
+    except (FileNotFoundError, MemoryError) as err:  # a path or a machine, not a bug: no traceback
+        print(f"mmgrpo {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

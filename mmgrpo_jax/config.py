@@ -37,11 +37,10 @@ def _build(cls: type[C], values: Mapping[str, Any], where: str) -> C:
         _check_scalar(nested, value, where + name)
         if isinstance(nested, type) and dataclasses.is_dataclass(nested):
             base = _default(fields[name])
+            if isinstance(value, nested):
+                value = _fields(value)
             if base is not None and isinstance(value, Mapping):
-                value = {
-                    **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                    **value,
-                }
+                value = {**_fields(base), **value}
             value = _build(nested, value, f"{where}{name}.")
         kwargs[name] = value
     return cls(**kwargs)
@@ -66,6 +65,14 @@ def _check_scalar(hint: Any, value: Any, key: str) -> None:
             return
     names = " | ".join("None" if o is type(None) else o.__name__ for o in options)
     raise ValueError(f"{key} must be {names}, got {value!r}")
+
+
+def _fields(instance: Any) -> dict[str, Any]:
+    """A dataclass as a (shallow) tree, nested dataclasses as mappings: the shape of a file."""
+    return {
+        f.name: _fields(v) if dataclasses.is_dataclass(v := getattr(instance, f.name)) else v
+        for f in dataclasses.fields(instance)
+    }
 
 
 def _default(field: dataclasses.Field) -> Any:

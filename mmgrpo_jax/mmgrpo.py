@@ -1,10 +1,11 @@
 """The mmGRPO optimizer: rollouts -> rewards -> groups -> advantages -> update, step after step.
 
-`MMGRPO(metric, config, model=..., tokenizer=...).compile(program, trainset, valset)` trains the
-policy behind every predictor of `program` (one shared LoRA adapter) and returns the program. The
-loop is thin; each stage is its own function; all state that a resumed run needs (trainable
-parameters, optimizer state, step, sampler RNG counter, prompt state) goes into an orbax
-checkpoint, and the data order is a pure function of (seed, step).
+`MMGRPO(metric, config).compile(program, trainset, valset)` trains the policy behind every
+predictor of `program` (one shared LoRA adapter) and returns the program; the policy is loaded
+from `config.model_path` or passed in (`model=`, `tokenizer=`, `stop_token_ids=`). The loop is
+thin; each stage is its own function; all state that a resumed run needs (trainable parameters,
+optimizer state, step, sampler RNG counter, prompt state) goes into an orbax checkpoint, and the
+data order is a pure function of (seed, step).
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ from mmgrpo_jax.train import (
 )
 from models.decoder import Decoder
 from models.export import save_peft_adapter
+from models.hf import from_pretrained
 from models.lora import LoRAConfig
-from models.tokenizer import HFTokenizer
+from models.tokenizer import HFTokenizer, load_tokenizer, stop_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +125,8 @@ class MMGRPOConfig:
     seed: int = 0
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     train: Literal["lora", "full"] = "lora"
+    model_path: str | None = None  # a local HF checkpoint, when no model is passed in
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
     run_dir: str = "runs/mmgrpo"
     resume: bool = False
     sampler_batch: int = 64
@@ -156,6 +160,24 @@ class MMGRPOConfig:
             raise bad("max_completion_tokens", "must be >= 1")
         if self.train not in ("lora", "full"):
             raise bad("train", "must be 'lora' or 'full'")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise bad("dtype", "must be 'bfloat16' or 'float32'")
+        if self.model_path is not None and not Path(self.model_path).is_dir():
+            raise bad("model_path", "is not a directory (a local Hugging Face checkpoint)")
+
+
+def load_policy(config: MMGRPOConfig) -> tuple[Decoder, HFTokenizer, tuple[int, ...]]:
+    """Model (with a fresh LoRA adapter unless training in full), tokenizer and stop ids."""
+    if config.model_path is None:
+        raise ValueError("MMGRPOConfig.model_path is not set and no model was passed in")
+    model = from_pretrained(
+        config.model_path,
+        dtype=jnp.dtype(config.dtype),
+        lora=config.lora if config.train == "lora" else None,
+        lora_seed=config.seed,
+    )
+    tokenizer = load_tokenizer(config.model_path)
+    return model, tokenizer, stop_token_ids(tokenizer, config.model_path)
 
 
 def examples_for_step(num_examples: int, per_step: int, step: int, seed: int) -> list[int]:
@@ -214,10 +236,15 @@ class MMGRPO:
         metric: Metric,
         config: MMGRPOConfig,
         *,
-        model: Decoder,
-        tokenizer: HFTokenizer,
-        stop_token_ids: Sequence[int],
+        model: Decoder | None = None,
+        tokenizer: HFTokenizer | None = None,
+        stop_token_ids: Sequence[int] | None = None,
     ) -> None:
+        """The policy is `model` + `tokenizer` + `stop_token_ids`, or else `config.model_path`."""
+        if model is None:
+            model, tokenizer, stop_token_ids = load_policy(config)
+        elif tokenizer is None or stop_token_ids is None:
+            raise ValueError("a model passed in needs its tokenizer and stop_token_ids too")
         if config.train == "lora" and model.lora is None:
             raise ValueError("train='lora' needs a model built with a LoRA adapter (lora=...)")
         self.metric, self.config, self.model, self.tokenizer = metric, config, model, tokenizer

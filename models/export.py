@@ -67,6 +67,20 @@ def save_peft_adapter(model: Decoder, directory: str | Path, base_model: str = "
     return directory
 
 
+def adapter_lora_config(directory: str | Path) -> LoRAConfig:
+    """The LoRAConfig a saved PEFT adapter was trained with: build the model with it, then load."""
+    path = Path(directory) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"no {ADAPTER_CONFIG} in {str(directory)!r}")
+    config = json.loads(path.read_text())
+    return LoRAConfig(
+        rank=int(config["r"]),
+        alpha=float(config["lora_alpha"]),
+        targets=tuple(config["target_modules"]),
+        dropout=float(config.get("lora_dropout") or 0.0),
+    )
+
+
 def load_peft_adapter(model: Decoder, directory: str | Path) -> Decoder:
     """Copy a PEFT adapter into `model`'s LoRA parameters (in place; sharding kept)."""
     lora = _require_lora(model)
@@ -119,6 +133,13 @@ def merge_lora(model: Decoder) -> Decoder:
             value = getattr(owner, str(path[-1]))[...]
         merged.append((path, var.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(merged))
+
+
+def without_lora(model: Decoder) -> Decoder:
+    """The base model, sharing `model`'s base weights (no copy): a frozen reference, a judge."""
+    abstract = nnx.eval_shape(lambda: Decoder(model.config, dtype=model.dtype, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(abstract)
+    return nnx.merge(graphdef, nnx.state(model, nnx.Not(nnx.LoRAParam)))
 
 
 def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:

@@ -8,6 +8,7 @@ shard when a mesh is given; torch is never imported.
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -81,6 +82,28 @@ def _lora_value(path: Sequence[object], shape: tuple[int, ...], dtype, seed: int
     return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
 
 
+def device_memory_bytes(device: jax.Device | None = None) -> int:
+    """Memory of one accelerator, or the host's available RAM on CPU."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(cfg: ModelConfig, dtype: jnp.dtype, path: str | Path, devices: int = 1) -> None:
+    """Refuse, before reading any tensor, a checkpoint whose weights alone cannot fit."""
+    need = cfg.num_params() * jnp.dtype(dtype).itemsize
+    have = device_memory_bytes() * devices
+    if need > have:
+        raise MemoryError(
+            f"{str(path)!r}: {cfg.num_params() / 1e9:.2f}B parameters need "
+            f"{need / 2**30:.1f} GiB in {jnp.dtype(dtype).name} for the weights alone, more than "
+            f"the {have / 2**30:.1f} GiB of {devices} {jax.devices()[0].platform} device(s); "
+            "use a larger accelerator, more devices with a mesh, or a smaller checkpoint"
+        )
+
+
 def from_pretrained(
     path: str | Path,
     *,
@@ -98,6 +121,7 @@ def from_pretrained(
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
     cfg = ModelConfig.from_file(path / "config.json")
+    check_memory(cfg, dtype, path, devices=1 if mesh is None else mesh.size)
     checkpoint = SafetensorsCheckpoint(path)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, lora=lora, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)

@@ -29,6 +29,18 @@ def test_partial_nested_override_keeps_the_default_section():
     assert cfg.loss.eps_high == 0.1  # not frozen at the old default
 
 
+@dataclasses.dataclass(frozen=True)
+class OuterConfig:
+    run: RunConfig = dataclasses.field(default_factory=lambda: RunConfig(steps=7))
+    seed: int = 0
+
+
+def test_two_levels_of_sections_keep_every_default_not_overridden():
+    cfg = load_config(OuterConfig, None, ["run.loss.beta=0.1", "run.lr=0.5"])
+    assert cfg == OuterConfig(RunConfig(steps=7, lr=0.5, loss=LossConfig("grpo", beta=0.1)))
+    assert load_config(OuterConfig) == OuterConfig()
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -8,7 +8,14 @@ import pytest
 import torch
 from flax import nnx
 
-from models.export import load_peft_adapter, merge_lora, save_merged, save_peft_adapter
+from models import hf
+from models.export import (
+    load_peft_adapter,
+    merge_lora,
+    save_merged,
+    save_peft_adapter,
+    without_lora,
+)
 from models.hf import from_pretrained
 from models.lora import LoRAConfig
 from tests.models.hf_fixtures import VOCAB, load_hf
@@ -76,6 +83,10 @@ def test_lora_off_is_the_base_model_and_merge_matches(directory, tmp_path):
     on, off = np.asarray(logits(model, IDS)), np.asarray(logits(model, IDS, use_lora=False))
     assert np.abs(on - off).max() > 0.1
     np.testing.assert_array_equal(off, np.asarray(logits(base, IDS)))
+    view = without_lora(model)  # the base model again, sharing the arrays
+    assert view.lora is None and not nnx.state(view, nnx.LoRAParam)
+    assert view.layers[0].mlp.up_proj.kernel[...] is model.layers[0].mlp.up_proj.kernel[...]
+    np.testing.assert_array_equal(np.asarray(logits(view, IDS)), off)
     in_memory = merge_lora(model)
     assert in_memory.lora is None and not nnx.state(in_memory, nnx.LoRAParam)
     scale = 2e-4 * max(1, np.abs(on).max())
@@ -84,6 +95,12 @@ def test_lora_off_is_the_base_model_and_merge_matches(directory, tmp_path):
     np.testing.assert_allclose(
         np.asarray(logits(merged, IDS)), on, atol=2e-4 * max(1, np.abs(on).max())
     )
+
+
+def test_a_checkpoint_too_big_for_the_machine_is_refused_before_loading(directory, monkeypatch):
+    monkeypatch.setattr(hf, "device_memory_bytes", lambda device=None: 1000)
+    with pytest.raises(MemoryError, match=r"parameters need .* GiB in bfloat16 .* more than"):
+        from_pretrained(directory)
 
 
 def test_merged_checkpoint_loads_in_transformers(directory, tmp_path):

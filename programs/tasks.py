@@ -1,0 +1,114 @@
+"""The paper's tasks by name: program, metric and splits built from one config section.
+
+PAPILLON's untrusted LM and judge, and HoVer's retriever, are chosen here: an OpenAI-compatible
+server when `base_url` is set, else the local frozen base model (`local_lm`, supplied by the
+caller that owns the policy); BM25 over `corpus_path`, a ColBERTv2 server at `colbert_url`, or,
+offline with neither, the title proxy corpus (see `programs.hover.write_title_proxy_corpus`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from mmgrpo_jax.openai_lm import OpenAICompatibleLM
+from mmgrpo_jax.program.lm import LM
+from mmgrpo_jax.program.module import Module
+from mmgrpo_jax.rollout import Metric
+from programs import banking77, hover, papillon
+from programs.data import Splits
+from programs.retrieval import DEFAULT_CACHE, BM25Retriever, ColBERTv2Client
+
+logger = logging.getLogger(__name__)
+
+TASKS = ("banking77", "papillon", "hover")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExternalLMConfig:
+    """An OpenAI-compatible server; with `base_url` unset, the local frozen base model."""
+
+    base_url: str | None = None
+    model: str = ""
+    api_key_env: str | None = "OPENAI_API_KEY"
+    timeout_s: float = 60.0
+    max_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.base_url is not None and not self.model:
+            raise ValueError(f"ExternalLMConfig.model must be set with base_url={self.base_url!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    name: str = "banking77"
+    data_dir: str | None = None  # default: $MMGRPO_DATA_DIR, then ../shared/data; "hub" online
+    split_seed: int = 0
+    untrusted_lm: ExternalLMConfig = dataclasses.field(default_factory=ExternalLMConfig)
+    judge_lm: ExternalLMConfig = dataclasses.field(default_factory=ExternalLMConfig)
+    corpus_path: str | None = None
+    colbert_url: str | None = None
+    hops: int = 4
+    passages_per_hop: int = 25
+
+    def __post_init__(self) -> None:
+        if self.name not in TASKS:
+            raise ValueError(f"TaskConfig.name must be one of {TASKS}, got {self.name!r}")
+        if self.corpus_path is not None and self.colbert_url is not None:
+            raise ValueError("TaskConfig: set corpus_path or colbert_url, not both")
+
+
+@dataclasses.dataclass
+class Task:
+    program: Module
+    metric: Metric
+    splits: Splits
+
+
+def _lm(cfg: ExternalLMConfig, local_lm: Callable[[int], LM] | None, role: str) -> LM:
+    if cfg.base_url is not None:
+        return OpenAICompatibleLM(
+            cfg.base_url,
+            cfg.model,
+            api_key_env=cfg.api_key_env,
+            timeout_s=cfg.timeout_s,
+            max_tokens=cfg.max_tokens,
+        )
+    if local_lm is None:
+        raise ValueError(f"the {role} needs base_url (an OpenAI-compatible server) or a model")
+    return local_lm(cfg.max_tokens)
+
+
+def _retriever(cfg: TaskConfig):
+    if cfg.colbert_url is not None:
+        return ColBERTv2Client(cfg.colbert_url)
+    corpus = cfg.corpus_path
+    if corpus is None:
+        corpus = DEFAULT_CACHE / "hover_title_proxy_corpus.jsonl"
+        if not corpus.is_file():
+            hover.write_title_proxy_corpus(cfg.data_dir, corpus)
+        logger.warning(
+            "HoVer retrieves from the title proxy corpus %s (titles only, no abstracts); set "
+            "task.corpus_path to the 2017 Wikipedia abstracts for the paper's setting",
+            corpus,
+        )
+    return BM25Retriever(Path(corpus))
+
+
+def build_task(cfg: TaskConfig, local_lm: Callable[[int], LM] | None = None) -> Task:
+    """`local_lm(max_tokens)` gives the frozen base model as an LM, when a role needs it."""
+    if cfg.name == "banking77":
+        labels = banking77.label_names(cfg.data_dir)
+        return Task(
+            banking77.Banking77(labels),
+            banking77.exact_match,
+            banking77.load_banking77(cfg.data_dir, cfg.split_seed),
+        )
+    if cfg.name == "papillon":
+        program = papillon.Papillon(_lm(cfg.untrusted_lm, local_lm, "untrusted LM"))
+        judge = papillon.PapillonJudge(_lm(cfg.judge_lm, local_lm, "judge LM"))
+        return Task(program, judge, papillon.load_pupa(cfg.data_dir))
+    program = hover.HoverMultiHop(_retriever(cfg), cfg.hops, cfg.passages_per_hop)
+    return Task(program, hover.title_recall, hover.load_hover(cfg.data_dir, cfg.split_seed))

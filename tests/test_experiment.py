@@ -1,0 +1,105 @@
+import json
+
+import pytest
+
+from mmgrpo_jax import cli, experiment
+from mmgrpo_jax.losses import LossConfig
+from mmgrpo_jax.mmgrpo import MMGRPOConfig, OptimConfig
+from models.lora import LoRAConfig
+from programs import retrieval, tasks
+from programs.tasks import ExternalLMConfig, TaskConfig
+from tests.tiny_checkpoint import write_tiny_checkpoint
+
+SHORT = ExternalLMConfig(max_tokens=6)
+PREDICTORS = {
+    "banking77": {"classify"},
+    "papillon": {"craft_redacted_request", "respond_to_query"},
+    "hover": {"write_query", "take_notes"},
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Retrieval indexes and the proxy corpus go to the test's folder, not ~/.cache."""
+    monkeypatch.setattr(retrieval, "DEFAULT_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(tasks, "DEFAULT_CACHE", tmp_path / "cache")
+
+
+def task_config(name):
+    return TaskConfig(name, untrusted_lm=SHORT, judge_lm=SHORT, hops=2, passages_per_hop=2)
+
+
+@pytest.mark.parametrize("grouping", ["module", "trajectory"])
+@pytest.mark.parametrize("name", ["banking77", "papillon", "hover"])
+def test_one_mmgrpo_step_on_each_paper_program(checkpoint, tmp_path, name, grouping):
+    cfg = experiment.TrainConfig(
+        task=task_config(name),
+        mmgrpo=MMGRPOConfig(
+            grouping=grouping,
+            num_rollouts=2,
+            examples_per_step=2,
+            num_steps=1,
+            max_completion_tokens=6,
+            format_failure_score=-1.0,
+            eval_every=1,
+            model_path=str(checkpoint),
+            dtype="float32",
+            lora=LoRAConfig(rank=2, alpha=4.0),
+            loss=LossConfig("grpo", beta=0.04),
+            optim=OptimConfig(lr=1e-2, micro_batch_size=8),
+            run_dir=str(tmp_path / "run"),
+            progress=False,
+            sampler_max_wait_s=5.0,
+        ),
+        train_limit=2,
+        val_limit=1,
+    )
+    summary = experiment.run_train(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in lines if "loss" in r or "trajectories" in r)
+    assert step["trajectories"] == 4
+    assert step["status_ok"] + step["status_format_failure"] + step["status_error"] == 4
+    assert step["calls"] >= 4  # every rollout reached its first module
+    assert summary["steps"] == 1 and summary["grouping"] == grouping
+    saved = json.loads((tmp_path / "run" / "program.json").read_text())
+    assert set(saved) == PREDICTORS[name]
+    assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_eval_cli_prints_the_metric_and_writes_predictions(checkpoint, tmp_path, capsys):
+    out = tmp_path / "preds.jsonl"
+    argv = ["eval", "--program", "banking77", "--model", str(checkpoint), "--split", "dev"]
+    argv += ["--limit", "3", "--out", str(out), "max_completion_tokens=8", "dtype=float32"]
+    assert cli.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["task"] == "banking77" and result["examples"] == 3
+    assert 0.0 <= result["metric"] <= 1.0
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(records) == 3 and {"inputs", "labels", "prediction", "score", "status"} <= set(
+        records[0]
+    )
+    assert records[0]["labels"]["label"] and records[0]["status"] in ("ok", "format_failure")
+
+
+def test_missing_checkpoint_and_oversized_model_are_messages_not_tracebacks(
+    checkpoint, tmp_path, capsys, monkeypatch
+):
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--program", "hover", "--model", str(tmp_path / "none")])
+    assert "model_path=" in capsys.readouterr().err
+    config = tmp_path / "train.yaml"
+    config.write_text(f"task: {{name: banking77}}\nmmgrpo: {{model_path: {tmp_path / 'gone'}}}\n")
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--config", str(config)])
+    assert "MMGRPOConfig.model_path" in capsys.readouterr().err
+    from models import hf
+
+    monkeypatch.setattr(hf, "device_memory_bytes", lambda device=None: 1024)
+    argv = ["eval", "--program", "banking77", "--model", str(checkpoint), "--limit", "1"]
+    assert cli.main(argv) == 2
+    assert "GiB" in capsys.readouterr().err
