@@ -1,8 +1,10 @@
 import json
+from pathlib import Path
 
 import pytest
 
 from mmgrpo_jax import cli, experiment
+from mmgrpo_jax.config import load_config
 from mmgrpo_jax.losses import LossConfig
 from mmgrpo_jax.mmgrpo import MMGRPOConfig, OptimConfig
 from models.lora import LoRAConfig
@@ -10,6 +12,7 @@ from programs import retrieval, tasks
 from programs.tasks import ExternalLMConfig, TaskConfig
 from tests.tiny_checkpoint import write_tiny_checkpoint
 
+CONFIGS = Path(__file__).parents[1] / "experiments" / "configs"
 SHORT = ExternalLMConfig(max_tokens=6)
 PREDICTORS = {
     "banking77": {"classify"},
@@ -103,3 +106,17 @@ def test_missing_checkpoint_and_oversized_model_are_messages_not_tracebacks(
     argv = ["eval", "--program", "banking77", "--model", str(checkpoint), "--limit", "1"]
     assert cli.main(argv) == 2
     assert "GiB" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_paper_configs_load_with_the_paper_setting(path, checkpoint):
+    cfg = load_config(
+        experiment.TrainConfig, path, [f"mmgrpo.model_path={checkpoint}", "task.data_dir=null"]
+    )
+    task, model = path.stem.split("_", 1)
+    assert cfg.task.name == task and model in ("llama31_8b", "qwen3_8b")
+    m = cfg.mmgrpo
+    assert (m.lora.rank, m.optim.lr, m.examples_per_step, m.num_rollouts) == (16, 1e-5, 4, 12)
+    assert m.max_prompt_tokens + m.max_completion_tokens == 8192 and m.num_steps == 750
+    with pytest.raises(ValueError, match=r"MMGRPOConfig\.model_path"):
+        load_config(experiment.TrainConfig, path)  # the 8B checkpoints are not on this machine
