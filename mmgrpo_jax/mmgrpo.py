@@ -345,6 +345,15 @@ class MMGRPO:
         self.summary = self.log.close({"steps": cfg.num_steps, "grouping": cfg.grouping})
         return program
 
+    # -- weights, for BetterTogether ---------------------------------------------------------
+    def snapshot_weights(self) -> nnx.State:
+        """A host copy of the trainable parameters (LoRA, or all in "full" mode)."""
+        kind = nnx.LoRAParam if self.config.train == "lora" else nnx.Param
+        return jax.tree.map(np.array, nnx.state(self.model, kind))
+
+    def restore_weights(self, snapshot: nnx.State) -> None:
+        nnx.update(self.model, jax.tree.map(jnp.asarray, snapshot))
+
     # -- one step ------------------------------------------------------------------------------
     def _step(self, program, trainset, lm, weights, step_fn, logprob_fn, step, record):
         cfg = self.config

@@ -161,7 +161,13 @@ class Predict(Module):
             error = err
         if trace is not None:
             record = CallRecord.from_output(
-                name, invocation, messages, output, outputs, None if error is None else str(error)
+                name,
+                invocation,
+                messages,
+                output,
+                outputs,
+                None if error is None else str(error),
+                inputs,
             )
             trace.record(record)
         if error is not None:

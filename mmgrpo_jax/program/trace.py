@@ -36,6 +36,7 @@ class CallRecord:
     parsed: bool
     parse_error: str | None
     outputs: dict[str, Any] | None
+    inputs: dict[str, Any] | None = None  # the field values rendered into `messages`
 
     @classmethod
     def from_output(
@@ -46,6 +47,7 @@ class CallRecord:
         output: LMOutput,
         outputs: dict[str, Any] | None,
         parse_error: str | None,
+        inputs: dict[str, Any] | None = None,
     ) -> CallRecord:
         return cls(
             predictor=predictor,
@@ -59,6 +61,7 @@ class CallRecord:
             parsed=parse_error is None,
             parse_error=parse_error,
             outputs=outputs,
+            inputs=None if inputs is None else dict(inputs),
         )
 
 

@@ -1,0 +1,101 @@
+"""BetterTogether: prompt and weight optimization in sequence ("p -> w", "p -> w -> p", ...).
+
+Each stage sees the trainset in a fresh seeded order; with no valset, a seeded fraction of the
+trainset is held out. The program before any stage and after each stage is scored on the valset;
+the best is returned, the earliest on ties, with its weights restored (a weight optimizer that
+can snapshot and restore them makes that possible). A weight stage trains on the exact prompts
+its rollouts used (demos included) and leaves them untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from mmgrpo_jax.program.example import Example
+from mmgrpo_jax.program.module import Module
+
+
+class Optimizer(Protocol):
+    def compile(
+        self, program: Module, trainset: list[Example], valset: list[Example]
+    ) -> Module: ...
+
+
+class WeightOptimizer(Optimizer, Protocol):
+    def snapshot_weights(self) -> Any: ...
+
+    def restore_weights(self, snapshot: Any) -> None: ...
+
+
+Evaluate = Callable[[Module, Sequence[Example]], float]
+
+
+def parse_strategy(strategy: str) -> list[str]:
+    stages = [s.strip() for s in re.split(r"->", strategy)]
+    if not stages or any(s not in ("p", "w") for s in stages):
+        raise ValueError(f"strategy must be stages 'p' or 'w' joined by '->', got {strategy!r}")
+    return stages
+
+
+@dataclasses.dataclass
+class Stage:
+    name: str  # "start", "p", "w"
+    score: float
+    prompt_state: dict[str, Any]
+    weights: Any
+
+
+class BetterTogether:
+    def __init__(
+        self,
+        evaluate: Evaluate,
+        prompt_optimizer: Optimizer,
+        weight_optimizer: WeightOptimizer,
+        *,
+        seed: int = 0,
+        valset_fraction: float = 0.2,
+    ) -> None:
+        if not 0 < valset_fraction < 1:
+            raise ValueError(f"valset_fraction must be in (0, 1), got {valset_fraction}")
+        self.evaluate = evaluate
+        self.optimizers = {"p": prompt_optimizer, "w": weight_optimizer}
+        self.weights = weight_optimizer
+        self.seed, self.valset_fraction = seed, valset_fraction
+        self.stages: list[Stage] = []
+
+    def compile(
+        self,
+        program: Module,
+        trainset: Sequence[Example],
+        valset: Sequence[Example] | None = None,
+        strategy: str = "p -> w",
+    ) -> Module:
+        stages = parse_strategy(strategy)
+        rng = random.Random(self.seed)
+        trainset = list(trainset)
+        if valset is None:
+            rng.shuffle(trainset)
+            held = max(1, int(len(trainset) * self.valset_fraction))
+            valset, trainset = trainset[:held], trainset[held:]
+        valset = list(valset)
+        self.stages = [self._record("start", program, valset)]
+        for stage in stages:
+            rng.shuffle(trainset)
+            program = self.optimizers[stage].compile(program, list(trainset), valset)
+            self.stages.append(self._record(stage, program, valset))
+        best = max(self.stages, key=lambda s: s.score)  # max keeps the earliest of equals
+        program.load_state(best.prompt_state)
+        self.weights.restore_weights(best.weights)
+        return program
+
+    def _record(self, name: str, program: Module, valset: list[Example]) -> Stage:
+        return Stage(
+            name,
+            self.evaluate(program, valset),
+            program.dump_state(),
+            self.weights.snapshot_weights(),
+        )

@@ -1,0 +1,133 @@
+import pytest
+from flax import nnx
+
+from mmgrpo_jax.jax_lm import JaxLM, Sampling
+from mmgrpo_jax.mmgrpo import MMGRPO, MMGRPOConfig, OptimConfig, evaluate
+from mmgrpo_jax.program import Example, Module, Predict
+from mmgrpo_jax.program.adapter import format_outputs
+from mmgrpo_jax.prompt_opt.better_together import BetterTogether, parse_strategy
+from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
+from mmgrpo_jax.prompt_opt.proposer import PROPOSE, SUMMARIZE
+from mmgrpo_jax.testing import ScriptedLM
+from models.config import ModelConfig
+from models.decoder import Decoder
+from models.tokenizer import build_word_tokenizer
+from programs import synthetic
+
+
+class Echo(Module):
+    def __init__(self):
+        self.qa = Predict("q -> a")
+
+    def forward(self, q):
+        return self.qa(q=q)
+
+
+class FakePrompts:
+    def __init__(self, instruction):
+        self.instruction = instruction
+
+    def compile(self, program, trainset, valset):
+        program = program.copy()
+        program.qa.load_predictor_state({"instructions": self.instruction})
+        return program
+
+
+class FakeWeights:
+    """Weights are one number; the compile adds one."""
+
+    def __init__(self):
+        self.value, self.seen = 0, []
+
+    def compile(self, program, trainset, valset):
+        self.seen.append([e.q for e in trainset])
+        self.value += 1
+        return program
+
+    def snapshot_weights(self):
+        return self.value
+
+    def restore_weights(self, snapshot):
+        self.value = snapshot
+
+
+def test_best_stage_wins_earliest_on_ties_and_its_weights_come_back():
+    weights = FakeWeights()
+    scores = {("start", 0): 0.1, ("better", 0): 0.5, ("better", 1): 0.5, ("better", 2): 0.3}
+
+    def score(program, valset):
+        return scores[(program.qa.signature.instructions.split()[0], weights.value)]
+
+    start = Echo()
+    start.qa.load_predictor_state({"instructions": "start"})
+    together = BetterTogether(score, FakePrompts("better prompt"), weights, seed=0)
+    train = [Example(q=f"q{i}").with_inputs("q") for i in range(10)]
+    best = together.compile(start, train, strategy="p -> w -> w")
+    assert [s.name for s in together.stages] == ["start", "p", "w", "w"]
+    assert [s.score for s in together.stages] == [0.1, 0.5, 0.5, 0.3]
+    assert best.qa.signature.instructions == "better prompt" and weights.value == 0  # stage p
+    assert len(weights.seen[0]) == 8 and weights.seen[0] != weights.seen[1]  # 2 held out
+    with pytest.raises(ValueError, match="strategy"):
+        parse_strategy("p -> x")
+
+
+def test_p_then_w_on_the_two_door_program_keeps_the_prompts_byte_identical(tmp_path):
+    tokenizer = build_word_tokenizer([*synthetic.SIGN_WORDS, *synthetic.DOORS])
+    cfg = ModelConfig("llama", len(tokenizer), 32, 64, 1, 4, 2, 8, 1e-5, 1e4)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    stop = [tokenizer.eos_token_id]
+    train = synthetic.two_door_examples(repeats=2)
+    val = synthetic.two_door_examples()
+    sampling = Sampling(1, temperature=1.0)
+    lm = JaxLM(model, tokenizer, sampling=sampling, stop_token_ids=stop, max_wait_s=1.0)
+    greedy = JaxLM(model, tokenizer, sampling=Sampling(1, temperature=0.0), stop_token_ids=stop)
+
+    def prompt_lm_reply(messages):
+        if "[[ ## examples ## ]]" in messages[-1]["content"]:
+            return format_outputs(SUMMARIZE, {"observations": "clues and doors"})
+        return format_outputs(PROPOSE, {"proposed_instruction": "left right amber birch"})
+
+    prompts = MIPROv2(
+        synthetic.two_door_metric,
+        PromptOptConfig(
+            auto=None, num_candidates=2, num_trials=2, minibatch_size=4, bootstrap_pool=4
+        ),
+        prompt_lm=ScriptedLM(prompt_lm_reply),
+        lm=lm,
+    )
+    weights = MMGRPO(
+        synthetic.two_door_metric,
+        MMGRPOConfig(
+            num_rollouts=4,
+            examples_per_step=4,
+            num_steps=2,
+            max_completion_tokens=1,
+            train="full",
+            optim=OptimConfig(lr=1e-2, micro_batch_size=64),
+            eval_every=100,
+            run_dir=str(tmp_path / "w"),
+            progress=False,
+            sampler_max_wait_s=1.0,
+        ),
+        model=model,
+        tokenizer=tokenizer,
+        stop_token_ids=stop,
+    )
+
+    def score(program, valset):
+        return evaluate(program, valset, synthetic.two_door_metric, greedy)
+
+    together = BetterTogether(score, prompts, weights, seed=1)
+    try:
+        best = together.compile(synthetic.TwoDoors(), train, val, strategy="p -> w")
+    finally:
+        lm.close()
+        greedy.close()
+    start, p, w = together.stages
+    assert (start.name, p.name, w.name) == ("start", "p", "w")
+    assert repr(p.prompt_state) == repr(w.prompt_state)  # the weight stage left prompts alone
+    chosen = max(together.stages, key=lambda s: s.score)
+    assert best.dump_state() == chosen.prompt_state
+    assert together.stages.index(chosen) == min(
+        i for i, s in enumerate(together.stages) if s.score == chosen.score
+    )
