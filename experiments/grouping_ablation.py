@@ -72,6 +72,8 @@ def table(runs: list[Run], groupings: list[str], losses: list[str]) -> str:
     for grouping in groupings:
         for loss in losses:
             cell = [r for r in runs if r.grouping == grouping and r.loss == loss]
+            if not cell:
+                continue
             finals = np.array([r.final for r in cell])
             reached = ", ".join(
                 "never" if r.steps_to_target is None else str(r.steps_to_target) for r in cell
@@ -93,6 +95,8 @@ def plot(runs: list[Run], groupings: list[str], losses: list[str], path: Path) -
     for ax, grouping in zip(np.atleast_1d(axes), groupings, strict=True):
         for loss in losses:
             cell = [r for r in runs if r.grouping == grouping and r.loss == loss]
+            if not cell:
+                continue
             steps = cell[0].steps
             curves = np.array([r.rewards for r in cell])
             ax.plot(steps, curves.mean(0), label=f"{loss} (n={len(cell)})")
@@ -126,6 +130,11 @@ def main() -> None:
                     flush=True,
                 )
                 runs.append(run)
+                write_results(runs, args)  # after every run: an interrupted sweep keeps its table
+    print(table(runs, args.groupings, args.losses))
+
+
+def write_results(runs: list[Run], args: argparse.Namespace) -> None:
     with (args.out / "grouping_ablation.csv").open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["grouping", "loss", "seed", "final", "steps_to_0.7", "wall_seconds"])
@@ -133,14 +142,14 @@ def main() -> None:
             writer.writerow(
                 [r.grouping, r.loss, r.seed, r.final, r.steps_to_target, round(r.wall_seconds)]
             )
-    markdown = table(runs, args.groupings, args.losses)
+    groupings = [g for g in args.groupings if any(r.grouping == g for r in runs)]
+    losses = [x for x in args.losses if any(r.loss == x for r in runs)]
     header = (
         f"# Grouping ablation on the two-door program ({args.steps} steps, seeds {args.seeds})\n\n"
         "Greedy eval reward on the 4 validation clues, every 10 steps (`mmgrpo_jax.demo`).\n\n"
     )
-    (args.out / "grouping_ablation.md").write_text(header + markdown)
-    plot(runs, args.groupings, args.losses, args.out / "grouping_ablation.png")
-    print(markdown)
+    (args.out / "grouping_ablation.md").write_text(header + table(runs, groupings, losses))
+    plot(runs, groupings, losses, args.out / "grouping_ablation.png")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ class DemoConfig:
     loss: str = "grpo"
     epsilon_high: float | None = None
     beta: float = 0.0  # k3 KL to a frozen copy of the initial weights
-    head_scale: float = 0.01  # output layer init x this: a near-uniform first policy
     format_failure_score: float = -1.0
     hidden_size: int = 32
     num_layers: int = 2
@@ -71,9 +70,6 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         1e4,
     )
     model = Decoder(model_config, rngs=nnx.Rngs(config.seed))
-    # As PPO implementations initialise their policy heads: a random network's first policy is
-    # otherwise peaked on arbitrary tokens, and whether those parse decides whether a seed learns.
-    model.lm_head.kernel[...] = model.lm_head.kernel[...] * config.head_scale
     trainset = synthetic.two_door_examples(repeats=4)
     valset = synthetic.two_door_examples()
     mmgrpo_config = MMGRPOConfig(
