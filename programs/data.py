@@ -1,8 +1,9 @@
 """Where the paper's datasets come from: a local folder of JSON Lines files, or the HF hub.
 
 `data_dir` resolves in this order: the argument, the `MMGRPO_DATA_DIR` environment variable, then
-`../shared/data` next to the checkout when it exists. The literal `"hub"` reads the Hugging Face
-hub names instead (needs network). `datasets` is imported here, never on the sampler/train path.
+`shared/data` beside the checkout (`../shared/data`) or beside one of its parent folders. The
+literal `"hub"` reads the Hugging Face hub names instead (needs network). `datasets` is imported
+here, never on the sampler/train path.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from mmgrpo_jax.program.example import Example
 
 ENV_VAR = "MMGRPO_DATA_DIR"
 HUB = "hub"
-_SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+_CHECKOUT = Path(__file__).resolve().parents[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +45,12 @@ def resolve_data_dir(data_dir: str | Path | None = None) -> Path | str:
             source = "data_dir" if data_dir is not None else f"${ENV_VAR}"
             raise FileNotFoundError(f"{source}={str(chosen)!r} is not a directory")
         return path
-    if _SHARED.is_dir():
-        return _SHARED
+    for folder in _CHECKOUT.parents:
+        if (folder / "shared" / "data").is_dir():
+            return folder / "shared" / "data"
     raise FileNotFoundError(
         f"no dataset folder: pass data_dir=..., set ${ENV_VAR}, or use data_dir='hub' online "
-        f"(looked for {_SHARED})"
+        f"(looked for shared/data beside {_CHECKOUT} and its parents)"
     )
 
 
