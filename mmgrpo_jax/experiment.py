@@ -21,7 +21,7 @@ from mmgrpo_jax.config import config_to_dict
 from mmgrpo_jax.jax_lm import JaxLM, Sampling
 from mmgrpo_jax.mmgrpo import MMGRPO, MMGRPOConfig, load_policy
 from mmgrpo_jax.program.example import Example
-from mmgrpo_jax.rollout import run_rollouts, summarize
+from mmgrpo_jax.rollout import score_examples, summarize
 from models.decoder import Decoder
 from models.export import adapter_lora_config, load_peft_adapter, without_lora
 from models.hf import from_pretrained
@@ -133,16 +133,7 @@ def evaluate_task(
     task: Task, examples: list[Example], lm: JaxLM, out: Path, progress: bool = True
 ) -> dict[str, Any]:
     """Greedy run over `examples`; failures score 0; one JSONL line per example."""
-    trajectories = run_rollouts(
-        task.program,
-        examples,
-        task.metric,
-        num_rollouts=1,
-        lm=lm,
-        failure_score=0.0,
-        format_failure_score=0.0,
-        progress=progress,
-    )
+    trajectories = score_examples(task.program, examples, task.metric, lm=lm, progress=progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
         for example, t in zip(examples, trajectories, strict=True):

@@ -33,7 +33,7 @@ from mmgrpo_jax.jax_lm import JaxLM, Sampling
 from mmgrpo_jax.losses import LossConfig
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.module import Module
-from mmgrpo_jax.rollout import Metric, Trajectory, run_rollouts, summarize
+from mmgrpo_jax.rollout import Metric, Trajectory, run_rollouts, score_examples, summarize
 from mmgrpo_jax.run_log import RunLogger
 from mmgrpo_jax.train import (
     Batch,
@@ -224,8 +224,7 @@ def evaluate(program: Module, examples: Sequence[Example], metric: Metric, lm: J
     """Mean greedy reward; failures score 0 here so that a broken format is not rewarded."""
     if not examples:
         return float("nan")
-    trajectories = run_rollouts(program, examples, metric, num_rollouts=1, lm=lm)
-    return float(np.mean([t.reward if t.status == "ok" else 0.0 for t in trajectories]))
+    return float(np.mean([t.reward for t in score_examples(program, examples, metric, lm=lm)]))
 
 
 class MMGRPO:

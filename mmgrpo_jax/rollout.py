@@ -160,6 +160,28 @@ def run_rollouts(
         return list(bar)
 
 
+def score_examples(
+    program: Module,
+    examples: Sequence[Example],
+    metric: Metric,
+    *,
+    lm: LM | None = None,
+    progress: bool = False,
+) -> list[Trajectory]:
+    """One run per example where every failure scores 0: evaluation must not reward (or, with a
+    negative format_failure_score, punish harder) a broken format."""
+    return run_rollouts(
+        program,
+        examples,
+        metric,
+        num_rollouts=1,
+        lm=lm,
+        failure_score=0.0,
+        format_failure_score=0.0,
+        progress=progress,
+    )
+
+
 @contextlib.contextmanager
 def quiet_failure_warnings() -> Iterator[None]:
     """Silence the per-trajectory warnings for callers that report every status themselves."""

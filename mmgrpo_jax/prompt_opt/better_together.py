@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import re
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -35,8 +34,8 @@ Evaluate = Callable[[Module, Sequence[Example]], float]
 
 
 def parse_strategy(strategy: str) -> list[str]:
-    stages = [s.strip() for s in re.split(r"->", strategy)]
-    if not stages or any(s not in ("p", "w") for s in stages):
+    stages = [s.strip() for s in strategy.split("->")]
+    if any(s not in ("p", "w") for s in stages):
         raise ValueError(f"strategy must be stages 'p' or 'w' joined by '->', got {strategy!r}")
     return stages
 

@@ -26,7 +26,7 @@ from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.prompt_opt.demos import Demo
-from mmgrpo_jax.rollout import Metric, run_rollouts
+from mmgrpo_jax.rollout import Metric, score_examples
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +82,11 @@ class Evaluator:
         fresh: dict[int, float] = {}
         if todo:
             program = apply(self.program, self.candidates, config)
-            trajectories = run_rollouts(
-                program, [self.valset[i] for i in todo], self.metric, num_rollouts=1, lm=self.lm
-            )
+            examples = [self.valset[i] for i in todo]
+            trajectories = score_examples(program, examples, self.metric, lm=self.lm)
             self.runs += len(todo)
             for i, t in zip(todo, trajectories, strict=True):
-                fresh[i] = t.reward if t.status == "ok" else 0.0
+                fresh[i] = t.reward
                 self.cache[(config, i)] = fresh[i]
         return [fresh[i] if i in fresh else self.cache[(config, i)] for i in indices]
 
