@@ -24,8 +24,8 @@ from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.rollout import score_examples, summarize
 from models.decoder import Decoder
 from models.export import adapter_lora_config, load_peft_adapter, without_lora
-from models.hf import from_pretrained
-from models.tokenizer import HFTokenizer, load_tokenizer, stop_token_ids
+from models.hf import load_checkpoint
+from models.tokenizer import HFTokenizer
 from programs.tasks import Task, TaskConfig, build_task
 
 logger = logging.getLogger(__name__)
@@ -122,11 +122,10 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
 
 def load_eval_policy(cfg: EvalConfig) -> tuple[Decoder, HFTokenizer, tuple[int, ...]]:
     lora = None if cfg.adapter_path is None else adapter_lora_config(cfg.adapter_path)
-    model = from_pretrained(cfg.model_path, dtype=jnp.dtype(cfg.dtype), lora=lora)
+    model, tokenizer, stop = load_checkpoint(cfg.model_path, dtype=jnp.dtype(cfg.dtype), lora=lora)
     if cfg.adapter_path is not None:
         load_peft_adapter(model, cfg.adapter_path)
-    tokenizer = load_tokenizer(cfg.model_path)
-    return model, tokenizer, stop_token_ids(tokenizer, cfg.model_path)
+    return model, tokenizer, stop
 
 
 def evaluate_task(

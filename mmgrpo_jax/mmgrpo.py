@@ -48,9 +48,9 @@ from mmgrpo_jax.train import (
 )
 from models.decoder import Decoder
 from models.export import save_peft_adapter
-from models.hf import from_pretrained
+from models.hf import load_checkpoint
 from models.lora import LoRAConfig
-from models.tokenizer import HFTokenizer, load_tokenizer, stop_token_ids
+from models.tokenizer import HFTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -170,14 +170,12 @@ def load_policy(config: MMGRPOConfig) -> tuple[Decoder, HFTokenizer, tuple[int, 
     """Model (with a fresh LoRA adapter unless training in full), tokenizer and stop ids."""
     if config.model_path is None:
         raise ValueError("MMGRPOConfig.model_path is not set and no model was passed in")
-    model = from_pretrained(
+    return load_checkpoint(
         config.model_path,
         dtype=jnp.dtype(config.dtype),
         lora=config.lora if config.train == "lora" else None,
         lora_seed=config.seed,
     )
-    tokenizer = load_tokenizer(config.model_path)
-    return model, tokenizer, stop_token_ids(tokenizer, config.model_path)
 
 
 def examples_for_step(num_examples: int, per_step: int, step: int, seed: int) -> list[int]:

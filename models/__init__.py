@@ -3,7 +3,7 @@
 from models.config import ModelConfig
 from models.decoder import Decoder
 from models.export import load_peft_adapter, merge_lora, save_merged, save_peft_adapter
-from models.hf import from_pretrained
+from models.hf import from_pretrained, load_checkpoint
 from models.lora import LoRAConfig
 from models.sharding import make_mesh, shard_model
 from models.tokenizer import chat_prompt_ids, load_tokenizer, stop_token_ids
@@ -14,6 +14,7 @@ __all__ = [
     "ModelConfig",
     "chat_prompt_ids",
     "from_pretrained",
+    "load_checkpoint",
     "load_peft_adapter",
     "load_tokenizer",
     "make_mesh",

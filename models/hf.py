@@ -24,6 +24,7 @@ from models.config import ModelConfig
 from models.decoder import Decoder
 from models.lora import LoRAConfig
 from models.sharding import param_sharding, path_name
+from models.tokenizer import HFTokenizer, load_tokenizer, stop_token_ids
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -80,6 +81,20 @@ def _lora_value(path: Sequence[object], shape: tuple[int, ...], dtype, seed: int
     key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path_name(path).encode()))
     bound = 1.0 / shape[0] ** 0.5  # PEFT's kaiming-uniform(a=sqrt(5)) on fan_in
     return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    dtype: jnp.dtype = jnp.bfloat16,
+    lora: LoRAConfig | None = None,
+    mesh: Mesh | None = None,
+    lora_seed: int = 0,
+) -> tuple[Decoder, HFTokenizer, tuple[int, ...]]:
+    """What a policy needs from a checkpoint directory: the model, its tokenizer, its stop ids."""
+    model = from_pretrained(path, dtype=dtype, lora=lora, mesh=mesh, lora_seed=lora_seed)
+    tokenizer = load_tokenizer(path)
+    return model, tokenizer, stop_token_ids(tokenizer, path)
 
 
 def device_memory_bytes(device: jax.Device | None = None) -> int:
