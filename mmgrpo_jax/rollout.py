@@ -116,9 +116,40 @@ def run_rollouts(
     """
     if num_rollouts < 1:
         raise ValueError(f"num_rollouts must be >= 1, got {num_rollouts}")
-    for example in examples:
+    jobs = [
+        (program, example, e, r) for e, example in enumerate(examples) for r in range(num_rollouts)
+    ]
+    return _run_jobs(jobs, metric, lm, max_workers, failure_score, format_failure_score, progress)
+
+
+def run_pairs(
+    pairs: Sequence[tuple[Module, Example]],
+    metric: Metric,
+    *,
+    lm: LM | None = None,
+    max_workers: int | None = None,
+    failure_score: float = 0.0,
+    format_failure_score: float = -1.0,
+    progress: bool = False,
+) -> list[Trajectory]:
+    """One run of each (program, example) pair, all on one thread pool; trajectory i (its
+    example_index) is pair i's. Different programs (prompt candidates, teachers) share the LM's
+    batches this way instead of taking turns."""
+    jobs = [(program, example, i, 0) for i, (program, example) in enumerate(pairs)]
+    return _run_jobs(jobs, metric, lm, max_workers, failure_score, format_failure_score, progress)
+
+
+def _run_jobs(
+    jobs: list[tuple[Module, Example, int, int]],
+    metric: Metric,
+    lm: LM | None,
+    max_workers: int | None,
+    failure_score: float,
+    format_failure_score: float,
+    progress: bool,
+) -> list[Trajectory]:
+    for _, example, _, _ in jobs:
         example.inputs()  # fail here, not in a worker thread, on a row without input keys
-    jobs = [(e, r) for e in range(len(examples)) for r in range(num_rollouts)]
     if not jobs:
         return []
     workers = max_workers if max_workers is not None else min(len(jobs), 256)
@@ -132,12 +163,12 @@ def run_rollouts(
         for _ in range(min(workers, len(jobs))):
             lm.open_client()
 
-    def job(pair: tuple[int, int]) -> Trajectory:
-        e, r = pair
+    def job(spec: tuple[Module, Example, int, int]) -> Trajectory:
+        program, example, e, r = spec
         try:
             return run_trajectory(
                 program,
-                examples[e],
+                example,
                 metric,
                 example_index=e,
                 rollout_index=r,
@@ -170,15 +201,19 @@ def score_examples(
 ) -> list[Trajectory]:
     """One run per example where every failure scores 0: evaluation must not reward (or, with a
     negative format_failure_score, punish harder) a broken format."""
-    return run_rollouts(
-        program,
-        examples,
-        metric,
-        num_rollouts=1,
-        lm=lm,
-        failure_score=0.0,
-        format_failure_score=0.0,
-        progress=progress,
+    return score_pairs([(program, e) for e in examples], metric, lm=lm, progress=progress)
+
+
+def score_pairs(
+    pairs: Sequence[tuple[Module, Example]],
+    metric: Metric,
+    *,
+    lm: LM | None = None,
+    progress: bool = False,
+) -> list[Trajectory]:
+    """`score_examples` for (program, example) pairs: several programs in one pool."""
+    return run_pairs(
+        pairs, metric, lm=lm, failure_score=0.0, format_failure_score=0.0, progress=progress
     )
 
 

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from mmgrpo_jax.program import Example, Module, ParseError, Predict
-from mmgrpo_jax.rollout import run_rollouts, run_trajectory, summarize
+from mmgrpo_jax.rollout import run_pairs, run_rollouts, run_trajectory, score_pairs, summarize
 from mmgrpo_jax.testing import ScriptedLM
 
 GOOD = "[[ ## a ## ]]\nyes"
@@ -142,3 +142,18 @@ def test_batching_lm_sees_every_busy_worker_registered(examples, workers):
     assert lm.opened == min(jobs, workers) and lm.open == 0  # balanced
     assert lm.seen[0] == min(jobs, workers)  # registered before the first request
     assert all(1 <= n <= min(jobs, workers) for n in lm.seen)
+
+
+def test_pairs_run_each_program_on_its_example_and_score_failures_zero():
+    crashing = TwoStep(crash=True)
+    examples = [EXAMPLE, Example(q="y", a="no").with_inputs("q"), EXAMPLE]
+    pairs = list(zip([TwoStep(), TwoStep(), crashing], examples, strict=True))
+    lm = ScriptedLM(lambda m: GOOD)
+    trajectories = score_pairs(pairs, exact, lm=lm)
+    assert [t.example_index for t in trajectories] == [0, 1, 2]
+    assert [(t.status, t.reward) for t in trajectories] == [
+        ("ok", 1.0),
+        ("ok", 0.0),
+        ("error", 0.0),
+    ]
+    assert run_pairs(pairs[2:], exact, lm=lm, failure_score=-2.0)[0].reward == -2.0

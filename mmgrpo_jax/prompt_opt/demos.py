@@ -5,7 +5,8 @@ successful traces in trainset order; slots 3.. successes in a shuffled order, a 
 [1, max_bootstrapped] of them. Bootstrapped sets are topped up with labeled examples to
 `max_labeled` demos. The teacher (the program with labeled demos, minus the example it is running
 on) runs once on each example of a fixed pool, so the cost is known before anything runs:
-`len(pool)` program runs, or none when max_bootstrapped is 0.
+`len(pool)` program runs, or none when max_bootstrapped is 0. The pool runs concurrently, so a
+batching LM samples the teachers together.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module, Predict
-from mmgrpo_jax.rollout import Metric, Trajectory, run_rollouts
+from mmgrpo_jax.rollout import Metric, Trajectory, run_pairs
 
 Demo = dict[str, Any]
 DemoSets = dict[str, list[list[Demo]]]  # predictor name -> slot -> demos
@@ -61,16 +62,15 @@ def run_teacher(
     max_labeled: int,
     seed: int,
 ) -> list[Trajectory]:
-    """One run per pool example; each run's teacher demos leave that example out."""
-    trajectories = []
-    for i, example in enumerate(pool):
+    """One run per pool example, all at once; each run's teacher demos leave its example out."""
+    teachers = []
+    for i in range(len(pool)):
         teacher = program.copy()
         for name, predictor in teacher.named_predictors():
             rng = random.Random(f"{seed}/teacher/{name}/{i}")
             predictor.demos = labeled_demos(predictor, pool, max_labeled, rng, skip={i})
-        [trajectory] = run_rollouts(teacher, [example], metric, num_rollouts=1, lm=lm)
-        trajectories.append(trajectory)
-    return trajectories
+        teachers.append(teacher)
+    return run_pairs(list(zip(teachers, pool, strict=True)), metric, lm=lm)
 
 
 def demos_from_trace(trajectory: Trajectory) -> dict[str, Demo]:

@@ -37,6 +37,7 @@ class PromptOptConfig:
     max_valset: int | None = None  # default: from auto
     minibatch_size: int = 35
     full_eval_every: int = 5
+    parallel_trials: int = 4  # configurations scored together; 1 = strictly sequential TPE
     max_bootstrapped_demos: int = 4
     max_labeled_demos: int = 4
     bootstrap_pool: int | None = 40  # teacher runs; None = the whole trainset
@@ -56,8 +57,9 @@ class PromptOptConfig:
             value = getattr(self, name)
             if value is not None and value < (2 if name == "num_candidates" else 1):
                 raise ValueError(f"PromptOptConfig.{name} is too small: {value}")
-        if self.minibatch_size < 1 or self.full_eval_every < 1:
-            raise ValueError("PromptOptConfig.minibatch_size and full_eval_every must be >= 1")
+        for name in ("minibatch_size", "full_eval_every", "parallel_trials"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PromptOptConfig.{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def candidates(self) -> int:
@@ -163,6 +165,7 @@ class MIPROv2:
             full_eval_every=cfg.full_eval_every,
             seed=cfg.seed,
             cache=cfg.cache,
+            parallel_trials=cfg.parallel_trials,
         )
         self.result, self.runs = result, bootstrap_runs + result.runs
         best = apply(program, candidates, result.config)

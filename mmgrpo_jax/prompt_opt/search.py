@@ -6,7 +6,8 @@ minibatches; the log says how many) that has no full-valset score yet is scored 
 valset, and that score is fed back to the sampler as a trial of its own. The default
 configuration (candidate 0 everywhere: the program as given) is scored on the full valset first,
 so the choice, the best full-valset score, is never worse than the program as given. Scores are
-cached by (configuration, example): a configuration proposed again costs nothing.
+cached by (configuration, example): a configuration proposed again costs nothing. Trials can run
+`parallel_trials` at a time: their minibatches share one thread pool (and the LM's batches).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.prompt_opt.demos import Demo
-from mmgrpo_jax.rollout import Metric, score_examples
+from mmgrpo_jax.rollout import Metric, score_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -78,17 +79,31 @@ class Evaluator:
         self.runs = 0
 
     def scores(self, config: Config, indices: Sequence[int]) -> list[float]:
-        todo = [i for i in indices if not self.use_cache or (config, i) not in self.cache]
-        fresh: dict[int, float] = {}
-        if todo:
-            program = apply(self.program, self.candidates, config)
-            examples = [self.valset[i] for i in todo]
-            trajectories = score_examples(program, examples, self.metric, lm=self.lm)
-            self.runs += len(todo)
-            for i, t in zip(todo, trajectories, strict=True):
-                fresh[i] = t.reward
-                self.cache[(config, i)] = fresh[i]
-        return [fresh[i] if i in fresh else self.cache[(config, i)] for i in indices]
+        return self.scores_many([(config, indices)])[0]
+
+    def scores_many(self, requests: Sequence[tuple[Config, Sequence[int]]]) -> list[list[float]]:
+        """Several (configuration, minibatch) requests in one thread pool: parallel trials."""
+        jobs: list[tuple[int, Config, int]] = []  # (request, configuration, example)
+        queued: set[tuple[Config, int]] = set()
+        for r, (config, indices) in enumerate(requests):
+            for i in indices:
+                key = (config, i)
+                if self.use_cache and (key in self.cache or key in queued):
+                    continue
+                queued.add(key)
+                jobs.append((r, config, i))
+        programs = {c: apply(self.program, self.candidates, c) for c in {c for _, c, _ in jobs}}
+        trajectories = score_pairs(
+            [(programs[c], self.valset[i]) for _, c, i in jobs], self.metric, lm=self.lm
+        )
+        self.runs += len(jobs)
+        fresh: dict[tuple[int, int], float] = {}
+        for (r, config, i), t in zip(jobs, trajectories, strict=True):
+            fresh[(r, i)] = self.cache[(config, i)] = t.reward
+        return [
+            [fresh[(r, i)] if (r, i) in fresh else self.cache[(config, i)] for i in indices]
+            for r, (config, indices) in enumerate(requests)
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,18 +126,25 @@ def search(
     full_eval_every: int = 5,
     seed: int = 0,
     cache: bool = True,
+    parallel_trials: int = 1,
 ) -> SearchResult:
+    """`parallel_trials` configurations are asked of the sampler at a time (a constant liar keeps
+    them apart) and scored in one thread pool; 1 is MIPROv2's strictly sequential search."""
     names = [n for n, _ in program.named_predictors()]
     for name in names:
         if name not in candidates.instructions or name not in candidates.demo_sets:
             raise ValueError(f"no candidates for predictor {name!r}")
     if not valset:
         raise ValueError("the valset is empty: the search scores configurations on it")
+    if parallel_trials < 1:
+        raise ValueError(f"parallel_trials must be >= 1, got {parallel_trials}")
     evaluator = Evaluator(program, candidates, valset, metric, lm, cache)
     rng = np.random.default_rng(seed)
     everything = list(range(len(valset)))
     batch = min(minibatch_size, len(valset))
-    sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True)
+    sampler = optuna.samplers.TPESampler(
+        seed=seed, multivariate=True, constant_liar=parallel_trials > 1
+    )
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="maximize", sampler=sampler)
     distributions = {}
@@ -155,25 +177,35 @@ def search(
 
     default: Config = tuple((0, 0) for _ in names)
     full_eval(default, 0)
-    for t in range(1, trials + 1):
-        trial = study.ask(distributions)
-        config: Config = tuple(
-            (trial.params[f"{n}.instruction"], trial.params[f"{n}.demos"]) for n in names
-        )
-        indices = sorted(rng.choice(len(valset), size=batch, replace=False).tolist())
-        score = float(np.mean(evaluator.scores(config, indices)))
-        study.tell(trial, score)
-        minibatch_scores.setdefault(config, []).append(score)
-        log.append(
-            {
-                "trial": t,
-                "kind": "minibatch",
-                "config": config,
-                "score": score,
-                "minibatch_mean": float(np.mean(minibatch_scores[config])),
-                "minibatches": len(minibatch_scores[config]),
-            }
-        )
+    t = 0
+    while t < trials:
+        # A round of parallel trials never crosses a full-evaluation point, so the schedule of
+        # full evaluations does not depend on `parallel_trials`.
+        k = min(parallel_trials, trials - t, full_eval_every - t % full_eval_every)
+        asked = [study.ask(distributions) for _ in range(k)]
+        configs: list[Config] = [
+            tuple((a.params[f"{n}.instruction"], a.params[f"{n}.demos"]) for n in names)
+            for a in asked
+        ]
+        batches = [
+            sorted(rng.choice(len(valset), size=batch, replace=False).tolist()) for _ in asked
+        ]
+        round_scores = evaluator.scores_many(list(zip(configs, batches, strict=True)))
+        for trial, config, scores in zip(asked, configs, round_scores, strict=True):
+            t += 1
+            score = float(np.mean(scores))
+            study.tell(trial, score)
+            minibatch_scores.setdefault(config, []).append(score)
+            log.append(
+                {
+                    "trial": t,
+                    "kind": "minibatch",
+                    "config": config,
+                    "score": score,
+                    "minibatch_mean": float(np.mean(minibatch_scores[config])),
+                    "minibatches": len(minibatch_scores[config]),
+                }
+            )
         if t % full_eval_every == 0 or t == trials:
             pending = [c for c in minibatch_scores if c not in full]
             if pending:

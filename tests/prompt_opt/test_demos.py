@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 
 from mmgrpo_jax.program import Example, Module, Predict
@@ -56,10 +58,29 @@ def test_teacher_leaves_the_current_example_out_of_its_demos():
     lm = teacher_lm()
     build(lm=lm, pool=5)
     assert len(lm.calls) == 5
-    for i, (messages, _) in enumerate(lm.calls):
+    asked = []
+    for messages, _ in lm.calls:  # concurrent runs: call order is not pool order
+        question = messages[-1]["content"].split("\n")[1]
         shown = [m["content"] for m in messages[1:-1] if m["role"] == "user"]
-        assert f"q{i}" not in "\n".join(c.split("\n")[1] for c in shown)
+        assert question not in [c.split("\n")[1] for c in shown]
         assert len(shown) == 4  # max_labeled demos from the rest of the pool
+        asked.append(question)
+    assert sorted(asked) == [f"q{i}" for i in range(5)]
+
+
+def test_the_teacher_pool_runs_concurrently():
+    """Every teacher run must be in flight at once for the barrier to open (a batching LM then
+    samples them together); run one at a time, each would time out and score as an error."""
+    barrier = threading.Barrier(6, timeout=10)
+    inner = teacher_lm()
+
+    def respond(messages):
+        barrier.wait()
+        return inner.respond(messages)
+
+    sets, runs = build(lm=ScriptedLM(respond), pool=6)
+    assert runs == 6
+    assert [d["question"] for d in sets["qa"][2][:3]] == ["q1", "q3", "q4"]
 
 
 def test_threshold_is_honoured():

@@ -1,5 +1,7 @@
 import io
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -129,3 +131,80 @@ def test_seed_zero_means_zero_and_modes():
     assert PromptOptConfig(auto="medium").candidates == 12
     with pytest.raises(ValueError, match="auto"):
         PromptOptConfig(auto="huge")
+
+
+class Concurrency:
+    """Counts how many program runs are in flight at once."""
+
+    def __init__(self):
+        self.lock, self.now, self.most = threading.Lock(), 0, 0
+
+    def __deepcopy__(self, memo):
+        return self  # every program copy reports to the same counter
+
+    def __enter__(self):
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+
+    def __exit__(self, *exc):
+        time.sleep(0.005)  # hold the slot so that concurrent runs overlap
+        with self.lock:
+            self.now -= 1
+
+
+class SlowPlanted(Planted):
+    def __init__(self, seed, concurrency):
+        super().__init__(seed)
+        self.concurrency = concurrency
+
+    def forward(self, x):
+        with self.concurrency:
+            return super().forward(x)
+
+
+def test_parallel_trials_share_one_pool_keep_the_schedule_and_are_deterministic():
+    def run(parallel, concurrency=None):
+        program = Planted(3) if concurrency is None else SlowPlanted(3, concurrency)
+        return search(
+            program,
+            CANDIDATES,
+            VALSET,
+            metric,
+            trials=12,
+            minibatch_size=5,
+            seed=3,
+            cache=False,
+            parallel_trials=parallel,
+        )
+
+    concurrency = Concurrency()
+    parallel = run(4, concurrency)
+    assert concurrency.most > 5  # more than one trial's minibatch in flight
+    assert parallel.trial_log == run(4).trial_log  # same seed, same log
+    sequential = run(1)
+    for result in (parallel, sequential):
+        kinds = [(r["trial"], r["kind"]) for r in result.trial_log]
+        assert [t for t, k in kinds if k == "minibatch"] == list(range(1, 13))
+        assert [t for t, k in kinds if k == "full"] == [0, 5, 10, 12]  # the same schedule
+        assert result.runs == 12 * 5 + 4 * len(VALSET)  # exact without the cache
+    with pytest.raises(ValueError, match="parallel_trials"):
+        run(0)
+
+
+def test_parallel_tpe_still_beats_random_search():
+    tpe_hits = random_hits = 0
+    for seed in range(20):
+        result = search(
+            Planted(seed),
+            CANDIDATES,
+            VALSET,
+            metric,
+            trials=30,
+            minibatch_size=15,
+            seed=seed,
+            parallel_trials=4,
+        )
+        tpe_hits += result.config == BEST
+        random_hits += random_search(seed, result.runs) == BEST
+    assert tpe_hits > random_hits, (tpe_hits, random_hits)
