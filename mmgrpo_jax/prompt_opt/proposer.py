@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
 import random
 from collections.abc import Sequence
 
+from mmgrpo_jax.program.adapter import ParseError
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module, Predict
 from mmgrpo_jax.program.signature import Field, Signature
 from mmgrpo_jax.prompt_opt.demos import DemoSets
+
+logger = logging.getLogger(__name__)
 
 TIPS = {
     "none": "",
@@ -73,6 +77,7 @@ class InstructionProposer:
                 f"summary_examples and summary_batch must be >= 1, got {summary_examples}, "
                 f"{summary_batch}"
             )
+        self.unparsed = 0  # prompt-model replies dropped because they did not parse
         self.summarize = Predict(SUMMARIZE, lm=prompt_lm)
         self.propose = Predict(PROPOSE, lm=prompt_lm)
         self.summary_examples, self.summary_batch, self.seed = (
@@ -90,7 +95,11 @@ class InstructionProposer:
         notes = []
         for start in range(0, len(rows), self.summary_batch):
             batch = rows[start : start + self.summary_batch]
-            notes.append(self.summarize(examples=batch).observations)
+            try:
+                notes.append(self.summarize(examples=batch).observations)
+            except ParseError as err:
+                self.unparsed += 1
+                logger.warning("dataset summary of rows %d.. dropped: %s", start, err)
         return "\n".join(notes)
 
     def propose_instructions(
@@ -100,7 +109,9 @@ class InstructionProposer:
         demo_sets: DemoSets,
         num_candidates: int,
     ) -> dict[str, list[str]]:
-        """Per predictor: [current instruction, num_candidates - 1 proposals]."""
+        """Per predictor: [current instruction, up to num_candidates - 1 proposals]; a reply that
+        does not parse is dropped with a warning and counted in `unparsed` (a weak prompt model
+        leaves fewer candidates, it does not stop the run)."""
         if num_candidates < 1:
             raise ValueError(f"num_candidates must be >= 1, got {num_candidates}")
         summary = self.dataset_summary(trainset)
@@ -114,15 +125,20 @@ class InstructionProposer:
                 tip = TIPS[rng.choice(sorted(TIPS))]
                 demo_set = rng.choice(demo_sets.get(name) or [[]])
                 demos = [json.dumps(d, default=str) for d in demo_set[:3]]
-                reply = self.propose(
-                    dataset_summary=summary,
-                    program_description=description,
-                    module_name=name,
-                    module_signature=str(predictor.signature),
-                    demos=demos,
-                    current_instruction=current,
-                    tip=tip,
-                )
+                try:
+                    reply = self.propose(
+                        dataset_summary=summary,
+                        program_description=description,
+                        module_name=name,
+                        module_signature=str(predictor.signature),
+                        demos=demos,
+                        current_instruction=current,
+                        tip=tip,
+                    )
+                except ParseError as err:
+                    self.unparsed += 1
+                    logger.warning("a proposal for %s dropped: %s", name, err)
+                    continue
                 found.append(reply.proposed_instruction.strip() or current)
             candidates[name] = found
         return candidates

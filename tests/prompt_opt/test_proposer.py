@@ -57,3 +57,25 @@ def test_same_seed_same_prompts():
         InstructionProposer(lm, seed=0).propose_instructions(TwoStep(), train, {}, 3)
         runs.append([m for m, _ in lm.calls])
     assert runs[0] == runs[1]
+
+
+def test_unparsed_replies_are_dropped_counted_and_warned(caplog):
+    count = [0]
+
+    def respond(messages):
+        if "[[ ## examples ## ]]" in messages[-1]["content"]:
+            return "no fields at all"
+        count[0] += 1
+        if count[0] % 2:  # every other proposal is garbage
+            return "I would suggest something"
+        return format_outputs(PROPOSE, {"proposed_instruction": f"new {count[0]}"})
+
+    train = [Example(question=f"q{i}", answer="a").with_inputs("question") for i in range(5)]
+    proposer = InstructionProposer(ScriptedLM(respond), summary_examples=5, summary_batch=5)
+    found = proposer.propose_instructions(TwoStep(), train, {}, num_candidates=3)
+    assert found == {
+        "draft": ["Draft an answer.", "new 2"],
+        "polish": ["Polish the draft.", "new 4"],
+    }
+    assert proposer.unparsed == 1 + 2  # the summary and two proposals
+    assert sum("dropped" in r.message for r in caplog.records) == 3
