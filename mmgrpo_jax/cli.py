@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Sequence
 
@@ -29,7 +30,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     train = commands.add_parser(
         "train", help="mmGRPO on a paper task from a local checkpoint (experiments/configs/)"
     )
-    _config_arguments(train, "TrainConfig")
+    _config_arguments(train, "ExperimentConfig")
+    prompts = commands.add_parser(
+        "optimize-prompts",
+        help="MIPROv2 instructions and demos for a paper task (same configs as train)",
+    )
+    prompts.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the budget (program runs, prompt-model calls) and stop",
+    )
+    _config_arguments(prompts, "ExperimentConfig")
+    together = commands.add_parser(
+        "better-together",
+        help="prompt and weight optimization in the order of `strategy` (same configs as train)",
+    )
+    _config_arguments(together, "ExperimentConfig")
     evaluate = commands.add_parser(
         "eval", help="greedy evaluation of a checkpoint (and adapter) on a task split"
     )
@@ -45,16 +61,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from mmgrpo_jax import demo as module
 
-        config_cls = module.DemoConfig
+        config_cls, run = module.DemoConfig, module.main
         overrides = [*args.overrides, *([f"grouping={args.grouping}"] if args.grouping else [])]
     elif args.command == "groups":
         from mmgrpo_jax import groups_demo as module
 
-        config_cls, overrides = module.GroupsDemoConfig, args.overrides
-    elif args.command in ("train", "eval"):
+        config_cls, run, overrides = module.GroupsDemoConfig, module.main, args.overrides
+    elif args.command in ("train", "optimize-prompts", "better-together", "eval"):
         from mmgrpo_jax import experiment as module
 
-        config_cls = module.TrainConfig if args.command == "train" else module.EvalConfig
+        config_cls = module.EvalConfig if args.command == "eval" else module.ExperimentConfig
+        options = {"dry_run": True} if getattr(args, "dry_run", False) else {}
+        run = functools.partial(module.main, args.command, **options)
         flags = {
             "program": "task.name",
             "model": "model_path",
@@ -76,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     try:
-        return module.main(config, sys.stdout)
+        return run(config, sys.stdout)
     except (FileNotFoundError, MemoryError) as err:  # a path or a machine, not a bug: no traceback
         print(f"mmgrpo {args.command}: {err}", file=sys.stderr)
         return 2

@@ -1,8 +1,11 @@
-"""`mmgrpo train` and `mmgrpo eval` on the paper's tasks: a config in, a run directory out.
+"""`mmgrpo train | optimize-prompts | better-together | eval` on the paper's tasks.
 
-The policy comes from a local Hugging Face checkpoint (`model_path`); the roles that are not
-trained (PAPILLON's untrusted LM and judge) use an OpenAI-compatible server or, by default, the
-same checkpoint's frozen base weights (shared, not copied) behind their own greedy batcher.
+One `ExperimentConfig` file per (task, model) serves the first three: `train` runs mmGRPO,
+`optimize-prompts` runs MIPROv2 with the policy running the program, `better-together` runs both
+in the strategy's order. The policy comes from a local Hugging Face checkpoint
+(`mmgrpo.model_path`); the roles that are not trained (PAPILLON's untrusted LM and judge, the
+prompt model) use an OpenAI-compatible server or, by default, the same checkpoint's frozen base
+weights (shared, not copied) behind their own batcher.
 """
 
 from __future__ import annotations
@@ -19,32 +22,55 @@ import jax.numpy as jnp
 
 from mmgrpo_jax.config import config_to_dict
 from mmgrpo_jax.jax_lm import JaxLM, Sampling
-from mmgrpo_jax.mmgrpo import MMGRPO, MMGRPOConfig, load_policy
+from mmgrpo_jax.mmgrpo import MMGRPO, MMGRPOConfig, evaluate, load_policy
 from mmgrpo_jax.program.example import Example
+from mmgrpo_jax.program.module import Module
+from mmgrpo_jax.prompt_opt.better_together import BetterTogether, parse_strategy
+from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
 from mmgrpo_jax.rollout import score_examples, summarize
 from models.decoder import Decoder
-from models.export import adapter_lora_config, load_peft_adapter, without_lora
+from models.export import adapter_lora_config, load_peft_adapter, save_peft_adapter, without_lora
 from models.hf import load_checkpoint
 from models.tokenizer import HFTokenizer
-from programs.tasks import Task, TaskConfig, build_task
+from programs.tasks import ExternalLMConfig, Task, TaskConfig, build_task, external_or_local_lm
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class ExperimentConfig:
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     mmgrpo: MMGRPOConfig = dataclasses.field(default_factory=MMGRPOConfig)
+    prompt_opt: PromptOptConfig = dataclasses.field(default_factory=PromptOptConfig)
+    # Writes instruction proposals; no base_url: the checkpoint's frozen base weights. MIPROv2
+    # proposes at temperature 1.0.
+    prompt_lm: ExternalLMConfig = dataclasses.field(
+        default_factory=lambda: ExternalLMConfig(temperature=1.0)
+    )
+    prompt_state: str | None = None  # prompts to start from: optimize-prompts' prompt_state.json
+    strategy: str = "p -> w"  # better-together's stages
     train_limit: int | None = None  # first N training examples (smoke runs)
     val_limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.mmgrpo.model_path is None:
-            raise ValueError("TrainConfig.mmgrpo.model_path must name a local HF checkpoint")
+            raise ValueError("ExperimentConfig.mmgrpo.model_path must name a local HF checkpoint")
         for name in ("train_limit", "val_limit"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"TrainConfig.{name} must be >= 1 or null, got {value}")
+                raise ValueError(f"ExperimentConfig.{name} must be >= 1 or null, got {value}")
+        if self.prompt_state is not None and not Path(self.prompt_state).is_file():
+            raise ValueError(f"ExperimentConfig.prompt_state={self.prompt_state!r} is not a file")
+        stages = parse_strategy(self.strategy)
+        if stages.count("w") > 1:
+            raise ValueError(
+                f"ExperimentConfig.strategy={self.strategy!r}: one weight stage at most (each "
+                "mmGRPO run owns mmgrpo.run_dir)"
+            )
+
+    @property
+    def prompts_dir(self) -> Path:
+        return Path(self.prompt_opt.out_dir or Path(self.mmgrpo.run_dir) / "prompts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +106,11 @@ class FrozenBaseLMs:
         self.tokenizer, self.stop = tokenizer, tuple(stop)
         self.lms: list[JaxLM] = []
 
-    def __call__(self, max_tokens: int) -> JaxLM:
+    def __call__(self, max_tokens: int, temperature: float = 0.0) -> JaxLM:
         lm = JaxLM(
             self.base,
             self.tokenizer,
-            sampling=Sampling(max_tokens, temperature=0.0),
+            sampling=Sampling(max_tokens, temperature=temperature),
             stop_token_ids=self.stop,
         )
         self.lms.append(lm)
@@ -99,25 +125,129 @@ def _first(examples: list[Example], limit: int | None) -> list[Example]:
     return examples if limit is None else examples[:limit]
 
 
-def run_train(cfg: TrainConfig) -> dict[str, Any]:
-    model, tokenizer, stop = load_policy(cfg.mmgrpo)
-    frozen = FrozenBaseLMs(model, tokenizer, stop)
+class Policy:
+    """The checkpoint, the frozen-base LMs of the other roles, the task, and a greedy LM on the
+    policy's live weights (it sees every update): what each command starts from."""
+
+    def __init__(self, cfg: ExperimentConfig) -> None:
+        self.cfg = cfg
+        self.model, self.tokenizer, self.stop = load_policy(cfg.mmgrpo)
+        self.frozen = FrozenBaseLMs(self.model, self.tokenizer, self.stop)
+        self.greedy = JaxLM(
+            self.model,
+            self.tokenizer,
+            sampling=Sampling(cfg.mmgrpo.max_completion_tokens, temperature=0.0),
+            stop_token_ids=self.stop,
+            max_prompt_tokens=cfg.mmgrpo.max_prompt_tokens,
+            max_batch=cfg.mmgrpo.sampler_batch,
+        )
+        try:
+            self.task = build_task(cfg.task, self.frozen)
+        except BaseException:
+            self.close()
+            raise
+        if cfg.prompt_state is not None:
+            self.task.program.load(cfg.prompt_state)
+        self.trainset = _first(self.task.splits.train, cfg.train_limit)
+        self.valset = _first(self.task.splits.dev, cfg.val_limit)
+
+    def mmgrpo(self) -> MMGRPO:
+        return MMGRPO(
+            self.task.metric,
+            self.cfg.mmgrpo,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            stop_token_ids=self.stop,
+        )
+
+    def mipro(self, out_dir: Path) -> MIPROv2:
+        config = dataclasses.replace(self.cfg.prompt_opt, out_dir=str(out_dir))
+        prompt_lm = external_or_local_lm(self.cfg.prompt_lm, self.frozen, "prompt model")
+        return MIPROv2(self.task.metric, config, prompt_lm=prompt_lm, lm=self.greedy)
+
+    def score(self, program: Module, examples: Sequence[Example]) -> float:
+        return evaluate(program, examples, self.task.metric, self.greedy)
+
+    def close(self) -> None:
+        self.greedy.close()
+        self.frozen.close()
+
+
+def _save_run(cfg: ExperimentConfig, run_dir: Path, program: Module | None) -> None:
+    """The config that made a run, and the program's prompt state (when not written already)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if program is not None:
+        program.save(run_dir / "program.json")
+    (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+
+
+def run_train(cfg: ExperimentConfig) -> dict[str, Any]:
+    policy = Policy(cfg)
     try:
-        task = build_task(cfg.task, frozen)
-        optimizer = MMGRPO(
-            task.metric, cfg.mmgrpo, model=model, tokenizer=tokenizer, stop_token_ids=stop
-        )
-        program = optimizer.compile(
-            task.program,
-            _first(task.splits.train, cfg.train_limit),
-            _first(task.splits.dev, cfg.val_limit),
-        )
+        optimizer = policy.mmgrpo()
+        program = optimizer.compile(policy.task.program, policy.trainset, policy.valset)
     finally:
-        frozen.close()
+        policy.close()
     run_dir = Path(cfg.mmgrpo.run_dir)
-    program.save(run_dir / "program.json")
-    (run_dir / "train_config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+    _save_run(cfg, run_dir, program)
     return {**(optimizer.summary or {}), "run_dir": str(run_dir)}
+
+
+def run_optimize_prompts(
+    cfg: ExperimentConfig, *, dry_run: bool = False, out: TextIO | None = None
+) -> dict[str, Any]:
+    """MIPROv2 on the task; writes prompt_state.json (for `prompt_state=`) and trials.jsonl."""
+    policy = Policy(cfg)
+    try:
+        optimizer = policy.mipro(cfg.prompts_dir)
+        optimizer.compile(
+            policy.task.program, policy.trainset, policy.valset, dry_run=dry_run, out=out
+        )
+        if dry_run:
+            return {"dry_run": True}
+        default = next(r for r in optimizer.result.trial_log if r["trial"] == 0)
+        result = {
+            "valset_default": default["score"],
+            "valset_chosen": optimizer.result.score,
+            "program_runs": optimizer.runs,
+            "prompt_state": str(cfg.prompts_dir / "prompt_state.json"),
+        }
+    finally:
+        policy.close()
+    _save_run(cfg, cfg.prompts_dir, None)  # MIPROv2 wrote prompt_state.json and trials.jsonl
+    return result
+
+
+def run_better_together(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The strategy's stages; the best stage's prompts and adapter are saved under best/."""
+    policy = Policy(cfg)
+    try:
+        weights = policy.mmgrpo()
+        together = BetterTogether(
+            policy.score,
+            policy.mipro(cfg.prompts_dir),
+            weights,
+            seed=cfg.mmgrpo.seed,
+        )
+        program = together.compile(
+            policy.task.program, policy.trainset, policy.valset, cfg.strategy
+        )
+        best_dir = Path(cfg.mmgrpo.run_dir) / "best"
+        if cfg.mmgrpo.train == "lora":
+            save_peft_adapter(policy.model, best_dir / "adapter")  # the restored stage's weights
+    finally:
+        policy.close()
+    _save_run(cfg, best_dir, program)
+    stages = [{"stage": s.name, "valset": s.score} for s in together.stages]
+    best = max(together.stages, key=lambda s: s.score)
+    result = {
+        "strategy": cfg.strategy,
+        "stages": stages,
+        "best": best.name,
+        "best_dir": str(best_dir),
+    }
+    (best_dir / "better_together.json").write_text(json.dumps(result, indent=2))
+    return result
 
 
 def load_eval_policy(cfg: EvalConfig) -> tuple[Decoder, HFTokenizer, tuple[int, ...]]:
@@ -177,7 +307,16 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     return {"task": cfg.task.name, "split": cfg.split, **result}
 
 
-def main(config: TrainConfig | EvalConfig, out: TextIO) -> int:
-    result = run_train(config) if isinstance(config, TrainConfig) else run_eval(config)
-    print(json.dumps(result, indent=2), file=out)
+COMMANDS = {
+    "train": run_train,
+    "optimize-prompts": run_optimize_prompts,
+    "better-together": run_better_together,
+}
+
+
+def main(command: str, config: ExperimentConfig | EvalConfig, out: TextIO, **options: Any) -> int:
+    if command == "optimize-prompts":
+        options["out"] = out  # the budget line goes where the result goes
+    run = run_eval if command == "eval" else COMMANDS[command]
+    print(json.dumps(run(config, **options), indent=2), file=out)
     return 0

@@ -35,10 +35,13 @@ class ExternalLMConfig:
     api_key_env: str | None = "OPENAI_API_KEY"
     timeout_s: float = 60.0
     max_tokens: int = 512
+    temperature: float = 0.0
 
     def __post_init__(self) -> None:
         if self.base_url is not None and not self.model:
             raise ValueError(f"ExternalLMConfig.model must be set with base_url={self.base_url!r}")
+        if self.temperature < 0:
+            raise ValueError(f"ExternalLMConfig.temperature must be >= 0, got {self.temperature}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +70,10 @@ class Task:
     splits: Splits
 
 
-def _lm(cfg: ExternalLMConfig, local_lm: Callable[[int], LM] | None, role: str) -> LM:
+LocalLM = Callable[[int, float], LM]  # (max_tokens, temperature) -> the frozen base model
+
+
+def external_or_local_lm(cfg: ExternalLMConfig, local_lm: LocalLM | None, role: str) -> LM:
     if cfg.base_url is not None:
         return OpenAICompatibleLM(
             cfg.base_url,
@@ -75,10 +81,11 @@ def _lm(cfg: ExternalLMConfig, local_lm: Callable[[int], LM] | None, role: str) 
             api_key_env=cfg.api_key_env,
             timeout_s=cfg.timeout_s,
             max_tokens=cfg.max_tokens,
+            temperature=cfg.temperature,
         )
     if local_lm is None:
         raise ValueError(f"the {role} needs base_url (an OpenAI-compatible server) or a model")
-    return local_lm(cfg.max_tokens)
+    return local_lm(cfg.max_tokens, cfg.temperature)
 
 
 def _retriever(cfg: TaskConfig):
@@ -97,8 +104,8 @@ def _retriever(cfg: TaskConfig):
     return BM25Retriever(Path(corpus))
 
 
-def build_task(cfg: TaskConfig, local_lm: Callable[[int], LM] | None = None) -> Task:
-    """`local_lm(max_tokens)` gives the frozen base model as an LM, when a role needs it."""
+def build_task(cfg: TaskConfig, local_lm: LocalLM | None = None) -> Task:
+    """`local_lm(max_tokens, temperature)` gives the frozen base model, when a role needs it."""
     if cfg.name == "banking77":
         labels = banking77.label_names(cfg.data_dir)
         return Task(
@@ -107,8 +114,10 @@ def build_task(cfg: TaskConfig, local_lm: Callable[[int], LM] | None = None) -> 
             banking77.load_banking77(cfg.data_dir, cfg.split_seed),
         )
     if cfg.name == "papillon":
-        program = papillon.Papillon(_lm(cfg.untrusted_lm, local_lm, "untrusted LM"))
-        judge = papillon.PapillonJudge(_lm(cfg.judge_lm, local_lm, "judge LM"))
+        program = papillon.Papillon(
+            external_or_local_lm(cfg.untrusted_lm, local_lm, "untrusted LM")
+        )
+        judge = papillon.PapillonJudge(external_or_local_lm(cfg.judge_lm, local_lm, "judge LM"))
         return Task(program, judge, papillon.load_pupa(cfg.data_dir))
     program = hover.HoverMultiHop(_retriever(cfg), cfg.hops, cfg.passages_per_hop)
     return Task(program, hover.title_recall, hover.load_hover(cfg.data_dir, cfg.split_seed))

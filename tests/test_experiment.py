@@ -40,7 +40,7 @@ def task_config(name):
 @pytest.mark.parametrize("grouping", ["module", "trajectory"])
 @pytest.mark.parametrize("name", ["banking77", "papillon", "hover"])
 def test_one_mmgrpo_step_on_each_paper_program(checkpoint, tmp_path, name, grouping):
-    cfg = experiment.TrainConfig(
+    cfg = experiment.ExperimentConfig(
         task=task_config(name),
         mmgrpo=MMGRPOConfig(
             grouping=grouping,
@@ -111,12 +111,100 @@ def test_missing_checkpoint_and_oversized_model_are_messages_not_tracebacks(
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
 def test_paper_configs_load_with_the_paper_setting(path, checkpoint):
     cfg = load_config(
-        experiment.TrainConfig, path, [f"mmgrpo.model_path={checkpoint}", "task.data_dir=null"]
+        experiment.ExperimentConfig, path, [f"mmgrpo.model_path={checkpoint}", "task.data_dir=null"]
     )
     task, model = path.stem.split("_", 1)
     assert cfg.task.name == task and model in ("llama31_8b", "qwen3_8b")
     m = cfg.mmgrpo
     assert (m.lora.rank, m.optim.lr, m.examples_per_step, m.num_rollouts) == (16, 1e-5, 4, 12)
     assert m.max_prompt_tokens + m.max_completion_tokens == 8192 and m.num_steps == 750
+    assert (cfg.prompt_opt.candidates, cfg.prompt_opt.valset_size) == (6, 100)  # auto light
+    assert cfg.strategy == "p -> w" and cfg.prompt_lm.temperature == 1.0
+    assert cfg.prompts_dir == Path(m.run_dir) / "prompts"
     with pytest.raises(ValueError, match=r"MMGRPOConfig\.model_path"):
-        load_config(experiment.TrainConfig, path)  # the 8B checkpoints are not on this machine
+        load_config(experiment.ExperimentConfig, path)  # the 8B checkpoints are not on this machine
+
+
+def experiment_yaml(tmp_path, checkpoint, strategy="p -> w"):
+    """banking77 on the tiny checkpoint; its frozen base weights are the prompt model."""
+    config = tmp_path / "experiment.yaml"
+    config.write_text(
+        f"""
+task: {{name: banking77}}
+mmgrpo:
+  model_path: {checkpoint}
+  dtype: float32
+  max_completion_tokens: 6
+  num_rollouts: 2
+  examples_per_step: 2
+  num_steps: 1
+  eval_every: 10
+  lora: {{rank: 2, alpha: 4.0}}
+  optim: {{lr: 1.0e-2, micro_batch_size: 8}}
+  run_dir: {tmp_path / "run"}
+  progress: false
+  sampler_max_wait_s: 5.0
+prompt_opt:
+  auto: null
+  num_candidates: 2
+  num_trials: 2
+  minibatch_size: 2
+  bootstrap_pool: 2
+  summary_examples: 2
+  summary_batch: 2
+prompt_lm: {{max_tokens: 8}}
+strategy: "{strategy}"
+train_limit: 4
+val_limit: 3
+"""
+    )
+    return str(config)
+
+
+def printed_json(text):
+    return json.loads(text[text.index("{") :])
+
+
+def test_optimize_prompts_dry_run_then_run_then_train_from_its_prompts(
+    checkpoint, tmp_path, capsys
+):
+    config = experiment_yaml(tmp_path, checkpoint)
+    prompts = tmp_path / "run" / "prompts"
+    assert cli.main(["optimize-prompts", "--config", config, "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    budget = int(printed.split("MIPROv2 budget: ")[1].split()[0])
+    assert budget == 2 + 2 * 2 + 2 * 3  # bootstrap + 2 minibatches of 2 + 2 full evals of 3
+    assert printed_json(printed) == {"dry_run": True} and not prompts.exists()
+
+    assert cli.main(["optimize-prompts", "--config", config]) == 0
+    result = printed_json(capsys.readouterr().out)
+    assert result["valset_chosen"] >= result["valset_default"]
+    assert 0 < result["program_runs"] <= budget
+    state = json.loads((prompts / "prompt_state.json").read_text())
+    assert set(state) == {"classify"}
+    trials = [json.loads(x) for x in (prompts / "trials.jsonl").read_text().splitlines()]
+    assert trials[0]["trial"] == 0 and trials[0]["kind"] == "full"
+    assert json.loads((prompts / "config.json").read_text())["strategy"] == "p -> w"
+
+    argv = ["train", "--config", config, f"prompt_state={prompts / 'prompt_state.json'}"]
+    argv.append(f"mmgrpo.run_dir={tmp_path / 'trained'}")
+    assert cli.main(argv) == 0
+    trained = json.loads((tmp_path / "trained" / "program.json").read_text())
+    assert trained == state  # the weight stage trains on these prompts and leaves them alone
+
+
+def test_better_together_cli_records_every_stage_and_saves_the_best(checkpoint, tmp_path, capsys):
+    assert cli.main(["better-together", "--config", experiment_yaml(tmp_path, checkpoint)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("MIPROv2 budget: ")
+    result = printed_json(printed)
+    assert [s["stage"] for s in result["stages"]] == ["start", "p", "w"]
+    best = max(result["stages"], key=lambda s: s["valset"])
+    assert result["best"] == best["stage"]
+    best_dir = tmp_path / "run" / "best"
+    assert json.loads((best_dir / "better_together.json").read_text()) == result
+    assert set(json.loads((best_dir / "program.json").read_text())) == {"classify"}
+    assert (best_dir / "adapter" / "adapter_config.json").is_file()
+    with pytest.raises(SystemExit):
+        cli.main(["better-together", "--config", experiment_yaml(tmp_path, checkpoint, "w -> w")])
+    assert "one weight stage at most" in capsys.readouterr().err

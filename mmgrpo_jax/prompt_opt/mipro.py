@@ -124,7 +124,7 @@ class MIPROv2:
         *,
         lm: LM | None = None,
         dry_run: bool = False,
-        out: TextIO = sys.stdout,
+        out: TextIO | None = None,
     ) -> Module:
         cfg = self.config
         lm = lm if lm is not None else self.lm
@@ -134,7 +134,7 @@ class MIPROv2:
             f"MIPROv2 budget: {budget.program_runs} program runs at most "
             f"({budget.bootstrap_runs} bootstrap + {budget.search_runs} search over "
             f"{budget.trials} trials), {budget.prompt_model_calls} prompt-model calls",
-            file=out,
+            file=out or sys.stdout,  # looked up now: a redirected stdout counts
         )
         if dry_run:
             return program
