@@ -262,6 +262,13 @@ class MMGRPO:
             )
         for example in [*trainset, *valset]:
             example.inputs()  # every row must name its inputs before any compute
+        saved = self.run_dir / "checkpoints"
+        if not cfg.resume and saved.is_dir() and any(saved.iterdir()):
+            # orbax would skip saving steps that exist: the new run's checkpoints would be lost
+            raise ValueError(
+                f"MMGRPOConfig.run_dir={str(self.run_dir)!r} already holds checkpoints of another "
+                "run: set resume=true to continue it, or choose another run_dir"
+            )
         self.log = RunLogger(self.run_dir)
         optimizer = cfg.optim.build(cfg.num_steps)
         trainable = nnx.LoRAParam if cfg.train == "lora" else nnx.Param

@@ -186,3 +186,9 @@ def test_bad_configs_fail_before_compute(tmp_path, overrides, message):
 def test_too_many_examples_per_step_is_named(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="examples_per_step=9 is larger than the trainset"):
         run(tokenizer, config(tmp_path, examples_per_step=9))
+
+
+def test_a_fresh_run_refuses_a_run_dir_that_holds_checkpoints(tokenizer, tmp_path):
+    run(tokenizer, config(tmp_path, num_steps=1, eval_every=100))
+    with pytest.raises(ValueError, match="already holds checkpoints of another run"):
+        run(tokenizer, config(tmp_path, num_steps=1, eval_every=100))
