@@ -16,6 +16,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,7 @@ class Run:
 
 def train(grouping: str, loss: str, seed: int, steps: int, run_root: Path) -> Run:
     run_dir = run_root / f"{grouping}-{loss}-seed{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a sweep's run folders are its own scratch
     config = DemoConfig(
         grouping=grouping,
         loss=loss,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from flax import nnx
+from transformers import PreTrainedTokenizerFast
 
 from mmgrpo_jax.losses import LossConfig
 from mmgrpo_jax.mmgrpo import MMGRPO, MMGRPOConfig, OptimConfig
@@ -52,10 +53,8 @@ class DemoConfig:
                 raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
-def run_demo(config: DemoConfig) -> dict[str, Any]:
-    """Train and return summary.json's content."""
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(config.run_dir or f"runs/demo-{stamp}")
+def tiny_policy(config: DemoConfig) -> tuple[Decoder, PreTrainedTokenizerFast]:
+    """A from-scratch Llama-architecture decoder over a word vocabulary of the task's words."""
     tokenizer = build_word_tokenizer([*synthetic.SIGN_WORDS, *synthetic.DOORS])
     model_config = ModelConfig(
         "llama",
@@ -69,10 +68,11 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         1e-5,
         1e4,
     )
-    model = Decoder(model_config, rngs=nnx.Rngs(config.seed))
-    trainset = synthetic.two_door_examples(repeats=4)
-    valset = synthetic.two_door_examples()
-    mmgrpo_config = MMGRPOConfig(
+    return Decoder(model_config, rngs=nnx.Rngs(config.seed)), tokenizer
+
+
+def mmgrpo_config(config: DemoConfig, run_dir: str | Path) -> MMGRPOConfig:
+    return MMGRPOConfig(
         grouping=config.grouping,
         num_rollouts=config.num_rollouts,
         examples_per_step=config.examples_per_step,
@@ -90,14 +90,22 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         sampler_max_wait_s=1.0,
         progress=config.progress,
     )
+
+
+def run_demo(config: DemoConfig) -> dict[str, Any]:
+    """Train and return summary.json's content."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(config.run_dir or f"runs/demo-{stamp}")
+    model, tokenizer = tiny_policy(config)
     optimizer = MMGRPO(
         synthetic.two_door_metric,
-        mmgrpo_config,
+        mmgrpo_config(config, run_dir),
         model=model,
         tokenizer=tokenizer,
         stop_token_ids=[tokenizer.eos_token_id],
     )
-    optimizer.compile(synthetic.TwoDoors(), trainset, valset)
+    trainset = synthetic.two_door_examples(repeats=4)
+    optimizer.compile(synthetic.TwoDoors(), trainset, synthetic.two_door_examples())
     return {**optimizer.summary, "run_dir": str(run_dir)}
 
 
