@@ -171,14 +171,14 @@ RUNNERS: dict[str, Callable[[Setup], tuple[Module, str]]] = {
 
 
 def run(method: str, seed: int, args: argparse.Namespace) -> Result:
-    setup = Setup(method, seed, args)
-    start = time.perf_counter()
-    try:
-        with quiet_failure_warnings():  # a random policy's parse failures are expected
+    with quiet_failure_warnings():  # a random policy's parse failures are expected
+        setup = Setup(method, seed, args)  # warm-up steps, if any, happen here
+        start = time.perf_counter()
+        try:
             program, detail = RUNNERS[method](setup)
             score = setup.score(program)
-    finally:
-        setup.close()
+        finally:
+            setup.close()
     return Result(method, seed, score, time.perf_counter() - start, detail)
 
 
