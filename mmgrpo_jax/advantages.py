@@ -40,16 +40,21 @@ def _group_advantages(
         return jax.ops.segment_sum(values, segment, num_segments=n + 1)[segment]
 
     count = per_group(finite.astype(r.dtype))
-    mean = per_group(r) / jnp.maximum(count, 1.0)
-    centered = jnp.where(finite, r - mean, 0.0)
+    # Centre on a member's own value first: equal rewards then differ by exactly 0, where a
+    # float32 mean (3 x 1.9060161 / 3) can miss them by an ulp and, divided by a std of the
+    # same size, give a zero-variance group advantages of order 1 / eps * 1e-7 (or 1 at eps 0).
+    shift = jax.ops.segment_max(r, segment, num_segments=n + 1)[segment]
+    delta = r - shift
+    centered = jnp.where(finite, delta - per_group(delta) / jnp.maximum(count, 1.0), 0.0)
     if scale == "group":
         std = jnp.sqrt(per_group(centered**2) / jnp.maximum(count - 1.0, 1.0))
-        advantages = centered / (std + eps)
+        advantages = jnp.where(std > 0, centered / (std + eps), 0.0)
     elif scale == "batch":
         total = jnp.sum(finite)
         batch_mean = jnp.sum(r) / jnp.maximum(total, 1)
         batch_var = jnp.sum(jnp.where(finite, r - batch_mean, 0.0) ** 2) / jnp.maximum(total - 1, 1)
-        advantages = centered / (jnp.sqrt(batch_var) + eps)
+        batch_std = jnp.sqrt(batch_var)
+        advantages = jnp.where(batch_std > 0, centered / (batch_std + eps), 0.0)
     else:
         advantages = centered
     return jnp.where(finite & (count >= 2), advantages, 0.0)
