@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -133,14 +134,6 @@ class Policy:
         self.cfg = cfg
         self.model, self.tokenizer, self.stop = load_policy(cfg.mmgrpo)
         self.frozen = FrozenBaseLMs(self.model, self.tokenizer, self.stop)
-        self.greedy = JaxLM(
-            self.model,
-            self.tokenizer,
-            sampling=Sampling(cfg.mmgrpo.max_completion_tokens, temperature=0.0),
-            stop_token_ids=self.stop,
-            max_prompt_tokens=cfg.mmgrpo.max_prompt_tokens,
-            max_batch=cfg.mmgrpo.sampler_batch,
-        )
         try:
             self.task = build_task(cfg.task, self.frozen)
         except BaseException:
@@ -150,6 +143,18 @@ class Policy:
             self.task.program.load(cfg.prompt_state)
         self.trainset = _first(self.task.splits.train, cfg.train_limit)
         self.valset = _first(self.task.splits.dev, cfg.val_limit)
+
+    @functools.cached_property
+    def greedy(self) -> JaxLM:
+        """Made on first use: `train` never needs it (MMGRPO evaluates with its own)."""
+        return JaxLM(
+            self.model,
+            self.tokenizer,
+            sampling=Sampling(self.cfg.mmgrpo.max_completion_tokens, temperature=0.0),
+            stop_token_ids=self.stop,
+            max_prompt_tokens=self.cfg.mmgrpo.max_prompt_tokens,
+            max_batch=self.cfg.mmgrpo.sampler_batch,
+        )
 
     def mmgrpo(self) -> MMGRPO:
         return MMGRPO(
@@ -169,7 +174,8 @@ class Policy:
         return evaluate(program, examples, self.task.metric, self.greedy)
 
     def close(self) -> None:
-        self.greedy.close()
+        if "greedy" in self.__dict__:  # only if it was made
+            self.greedy.close()
         self.frozen.close()
 
 
