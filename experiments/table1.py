@@ -97,10 +97,8 @@ class Setup:
         if args.warmup_steps:
             # The starting policy of every method: a few mmGRPO steps in, so that it parses
             # some of the time (a stand-in for a pretrained model's format-following).
-            demo = self.demo
-            self.demo = dataclasses.replace(demo, num_steps=args.warmup_steps)
-            self.weight_optimizer(f"warmup-{method}").compile(synthetic.TwoDoors(), self.trainset)
-            self.demo = demo
+            warmup = self.weight_optimizer(f"warmup-{method}", steps=args.warmup_steps)
+            warmup.compile(synthetic.TwoDoors(), self.trainset)
 
     def score(self, program: Module, examples=None) -> float:
         examples = self.testset if examples is None else examples
@@ -120,12 +118,14 @@ class Setup:
             lm=self.greedy,
         )
 
-    def weight_optimizer(self, name: str) -> MMGRPO:
+    def weight_optimizer(self, name: str, steps: int | None = None) -> MMGRPO:
+        """mmGRPO with the demo's settings; `steps` overrides its step count."""
         run_dir = self.run_dir / f"{name}-seed{self.seed}"
         shutil.rmtree(run_dir, ignore_errors=True)  # a sweep's run folders are its own scratch
+        demo = self.demo if steps is None else dataclasses.replace(self.demo, num_steps=steps)
         return MMGRPO(
             synthetic.two_door_metric,
-            mmgrpo_config(self.demo, run_dir),
+            mmgrpo_config(demo, run_dir),
             model=self.model,
             tokenizer=self.tokenizer,
             stop_token_ids=self.stop,
