@@ -1,6 +1,6 @@
 """Module- vs trajectory-level mmGRPO, and grpo / dapo / cispo, on the two-door demo program.
 
-Each (grouping, loss, seed) trains the demo's tiny from-scratch policy (`mmgrpo_jax.demo`) and
+Each (grouping, loss, seed) trains the demo's tiny from-scratch policy (`mmgrpo_jax.cli.demo`) and
 its greedy eval curve is read back from metrics.jsonl. Writes under --out (default
 experiments/results/): grouping_ablation.md (final eval reward mean and std over seeds, and the
 first step at which eval reached 0.7, per seed), grouping_ablation.csv (every run) and
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mmgrpo_jax.demo import DemoConfig, run_demo
-from mmgrpo_jax.rollout import quiet_failure_warnings
+from mmgrpo_jax.cli.demo import DemoConfig, run_demo
+from mmgrpo_jax.rl.rollout import quiet_failure_warnings
 
 # The clip settings each variant's paper uses: DAPO's clip-higher, CISPO's absolute weight cap.
 LOSSES = {"grpo": None, "dapo": 0.28, "cispo": 5.0}
@@ -148,7 +148,7 @@ def write_results(runs: list[Run], args: argparse.Namespace) -> None:
     losses = [x for x in args.losses if any(r.loss == x for r in runs)]
     header = (
         f"# Grouping ablation on the two-door program ({args.steps} steps, seeds {args.seeds})\n\n"
-        "Greedy eval reward on the 4 validation clues, every 10 steps (`mmgrpo_jax.demo`).\n\n"
+        "Greedy eval reward on the 4 validation clues, every 10 steps (`mmgrpo_jax.cli.demo`).\n\n"
     )
     (args.out / "grouping_ablation.md").write_text(header + table(runs, groupings, losses))
     plot(runs, groupings, losses, args.out / "grouping_ablation.png")

@@ -5,7 +5,7 @@ prompt optimization, mmGRPO and BetterTogether (MIPROv2, then mmGRPO on the froz
 This script runs the same four on one program with the same code paths as the real tasks
 (`MIPROv2`, `MMGRPO`, `BetterTogether`). Without a GPU, the program is the two-door demo
 (`programs.synthetic.TwoDoors`) and the policy the demo's tiny from-scratch decoder
-(`mmgrpo_jax.demo.tiny_policy`, one fresh initialisation per seed); the prompt model is scripted:
+(`mmgrpo_jax.cli.demo.tiny_policy`, one fresh initialisation per seed); the prompt model is scripted:
 a seeded function of its prompt that writes instructions from the task's words (the only words
 the tiny policy's vocabulary has). The two-door task has 4 distinct inputs, so train, validation
 and test are the same 4 clues: the table measures optimization, not generalization.
@@ -31,15 +31,15 @@ from pathlib import Path
 
 import numpy as np
 
-from mmgrpo_jax.demo import DemoConfig, mmgrpo_config, tiny_policy
-from mmgrpo_jax.jax_lm import JaxLM, Sampling
-from mmgrpo_jax.mmgrpo import MMGRPO, evaluate
+from mmgrpo_jax.cli.demo import DemoConfig, mmgrpo_config, tiny_policy
+from mmgrpo_jax.engines.jax_engine import JaxLM, Sampling
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, evaluate
 from mmgrpo_jax.program.adapter import format_outputs
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.prompt_opt.better_together import BetterTogether
 from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
 from mmgrpo_jax.prompt_opt.proposer import PROPOSE, SUMMARIZE
-from mmgrpo_jax.rollout import quiet_failure_warnings
+from mmgrpo_jax.rl.rollout import quiet_failure_warnings
 from mmgrpo_jax.testing import ScriptedLM
 from programs import synthetic
 

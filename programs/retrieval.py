@@ -17,7 +17,7 @@ import threading
 import urllib.parse
 from pathlib import Path
 
-from mmgrpo_jax.http_json import ServerError, fetch_json
+from mmgrpo_jax.engines.http_json import ServerError, fetch_json
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from mmgrpo_jax.openai_lm import OpenAICompatibleLM
+from mmgrpo_jax.engines.openai_lm import OpenAICompatibleLM
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
-from mmgrpo_jax.rollout import Metric
+from mmgrpo_jax.rl.rollout import Metric
 from programs import banking77, hover, papillon
 from programs.data import Splits
 from programs.retrieval import DEFAULT_CACHE, BM25Retriever, ColBERTv2Client

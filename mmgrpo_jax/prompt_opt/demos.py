@@ -18,7 +18,7 @@ from typing import Any
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module, Predict
-from mmgrpo_jax.rollout import Metric, Trajectory, run_pairs
+from mmgrpo_jax.rl.rollout import Metric, Trajectory, run_pairs
 
 Demo = dict[str, Any]
 DemoSets = dict[str, list[list[Demo]]]  # predictor name -> slot -> demos

@@ -27,7 +27,7 @@ from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.prompt_opt.demos import Demo
-from mmgrpo_jax.rollout import Metric, score_pairs
+from mmgrpo_jax.rl.rollout import Metric, score_pairs
 
 logger = logging.getLogger(__name__)
 

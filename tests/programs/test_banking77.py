@@ -5,7 +5,7 @@ import pytest
 
 from mmgrpo_jax.program import Prediction
 from mmgrpo_jax.program.adapter import format_outputs
-from mmgrpo_jax.rollout import run_trajectory
+from mmgrpo_jax.rl.rollout import run_trajectory
 from mmgrpo_jax.testing import ScriptedLM
 from programs.banking77 import Banking77, exact_match, label_names, load_banking77
 from programs.data import resolve_data_dir

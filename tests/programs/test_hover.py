@@ -4,7 +4,7 @@ import pytest
 
 from mmgrpo_jax.program import Example, Prediction
 from mmgrpo_jax.program.adapter import format_outputs
-from mmgrpo_jax.rollout import run_trajectory
+from mmgrpo_jax.rl.rollout import run_trajectory
 from mmgrpo_jax.testing import ScriptedLM
 from programs.hover import (
     HoverMultiHop,

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from mmgrpo_jax.http_json import ServerError
+from mmgrpo_jax.engines.http_json import ServerError
 from programs import retrieval
 from programs.retrieval import BM25Retriever, ColBERTv2Client, title_of
 

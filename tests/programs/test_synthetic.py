@@ -1,7 +1,7 @@
 import json
 from collections import Counter
 
-from mmgrpo_jax.rollout import run_rollouts
+from mmgrpo_jax.rl.rollout import run_rollouts
 from mmgrpo_jax.testing import ScriptedLM
 from programs import synthetic
 

@@ -1,8 +1,8 @@
 import pytest
 from flax import nnx
 
-from mmgrpo_jax.jax_lm import JaxLM, Sampling
-from mmgrpo_jax.mmgrpo import MMGRPO, MMGRPOConfig, OptimConfig, evaluate
+from mmgrpo_jax.engines.jax_engine import JaxLM, Sampling
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, MMGRPOConfig, OptimConfig, evaluate
 from mmgrpo_jax.program import Example, Module, Predict
 from mmgrpo_jax.program.adapter import format_outputs
 from mmgrpo_jax.prompt_opt.better_together import BetterTogether, parse_strategy

@@ -3,10 +3,11 @@ from pathlib import Path
 
 import pytest
 
-from mmgrpo_jax import cli, experiment
-from mmgrpo_jax.config import load_config
-from mmgrpo_jax.losses import LossConfig
-from mmgrpo_jax.mmgrpo import MMGRPOConfig, OptimConfig
+from mmgrpo_jax import cli
+from mmgrpo_jax.cli import experiment
+from mmgrpo_jax.cli.config import load_config
+from mmgrpo_jax.rl.losses import LossConfig
+from mmgrpo_jax.trainer.mmgrpo import MMGRPOConfig, OptimConfig
 from models.lora import LoRAConfig
 from programs import retrieval, tasks
 from programs.tasks import ExternalLMConfig, TaskConfig

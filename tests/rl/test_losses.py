@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmgrpo_jax.losses import VARIANTS, LossConfig, policy_loss
+from mmgrpo_jax.rl.losses import VARIANTS, LossConfig, policy_loss
 
 jax.config.update("jax_enable_x64", False)
 B, T, L = 6, 7, 10  # rows, completion positions, dr_grpo's max_completion_length

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmgrpo_jax import advantages
-from mmgrpo_jax.advantages import MIN_ROWS_BUCKET, advantages_for_groups, group_advantages
-from mmgrpo_jax.grouping import Group, GroupMember
+from mmgrpo_jax.rl import advantages
+from mmgrpo_jax.rl.advantages import MIN_ROWS_BUCKET, advantages_for_groups, group_advantages
+from mmgrpo_jax.rl.grouping import Group, GroupMember
 from mmgrpo_jax.shapes import bucket
 
 N = 64  # the fixed padded size every hypothesis case uses

@@ -8,9 +8,9 @@ from typing import TextIO
 
 import numpy as np
 
-from mmgrpo_jax.advantages import SCALES, advantages_for_groups
-from mmgrpo_jax.grouping import ALIGN_MODES, Group, module_level_groups
-from mmgrpo_jax.rollout import Trajectory, quiet_failure_warnings, run_rollouts, summarize
+from mmgrpo_jax.rl.advantages import SCALES, advantages_for_groups
+from mmgrpo_jax.rl.grouping import ALIGN_MODES, Group, module_level_groups
+from mmgrpo_jax.rl.rollout import Trajectory, quiet_failure_warnings, run_rollouts, summarize
 from programs import synthetic
 
 

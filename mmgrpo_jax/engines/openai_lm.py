@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from mmgrpo_jax.http_json import ServerError, fetch_json
+from mmgrpo_jax.engines.http_json import ServerError, fetch_json
 from mmgrpo_jax.program.lm import LMOutput
 
 SAMPLING_KEYS = ("temperature", "top_p", "max_tokens", "max_new_tokens", "stop", "seed")

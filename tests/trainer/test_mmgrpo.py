@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mmgrpo_jax.losses import LossConfig
-from mmgrpo_jax.mmgrpo import MMGRPO, MMGRPOConfig, OptimConfig, examples_for_step
+from mmgrpo_jax.rl.losses import LossConfig
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, MMGRPOConfig, OptimConfig, examples_for_step
 from mmgrpo_jax.program import Example, Module, Predict
 from models.config import ModelConfig
 from models.decoder import Decoder

@@ -2,8 +2,8 @@ import dataclasses
 
 import pytest
 
-from mmgrpo_jax.config import load_config
-from mmgrpo_jax.losses import LossConfig
+from mmgrpo_jax.cli.config import load_config
+from mmgrpo_jax.rl.losses import LossConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ import functools
 import sys
 from collections.abc import Sequence
 
-from mmgrpo_jax.config import load_config
+from mmgrpo_jax.cli.config import load_config
 
 
 def _config_arguments(parser: argparse.ArgumentParser, what: str) -> None:
@@ -59,16 +59,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "demo":
-        from mmgrpo_jax import demo as module
+        from mmgrpo_jax.cli import demo as module
 
         config_cls, run = module.DemoConfig, module.main
         overrides = [*args.overrides, *([f"grouping={args.grouping}"] if args.grouping else [])]
     elif args.command == "groups":
-        from mmgrpo_jax import groups_demo as module
+        from mmgrpo_jax.cli import groups_demo as module
 
         config_cls, run, overrides = module.GroupsDemoConfig, module.main, args.overrides
     elif args.command in ("train", "optimize-prompts", "better-together", "eval"):
-        from mmgrpo_jax import experiment as module
+        from mmgrpo_jax.cli import experiment as module
 
         config_cls = module.EvalConfig if args.command == "eval" else module.ExperimentConfig
         options = {"dry_run": True} if getattr(args, "dry_run", False) else {}

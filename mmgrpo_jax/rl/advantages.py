@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmgrpo_jax.grouping import Group, flatten_rewards
+from mmgrpo_jax.rl.grouping import Group, flatten_rewards
 from mmgrpo_jax.shapes import bucket
 
 Scale = Literal["group", "batch", "none"]

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from mmgrpo_jax.program import Example, Module, ParseError, Predict
-from mmgrpo_jax.rollout import run_pairs, run_rollouts, run_trajectory, score_pairs, summarize
+from mmgrpo_jax.rl.rollout import run_pairs, run_rollouts, run_trajectory, score_pairs, summarize
 from mmgrpo_jax.testing import ScriptedLM
 
 GOOD = "[[ ## a ## ]]\nyes"
@@ -81,7 +81,7 @@ def test_metric_failures_become_errors(metric, message):
 
 
 def test_rollouts_return_every_pair_in_order_and_never_stop(caplog):
-    caplog.set_level(logging.WARNING, logger="mmgrpo_jax.rollout")
+    caplog.set_level(logging.WARNING, logger="mmgrpo_jax.rl.rollout")
     replies = {"x0": GOOD, "x1": "[[ ## a ## ]]\nno", "x2": "broken"}
     lm = ScriptedLM(lambda m: replies[m[-1]["content"].split("\n")[1]])
     examples = [Example(q=f"x{i}", a="yes").with_inputs("q") for i in range(3)]

@@ -21,14 +21,14 @@ from typing import Any, Literal, TextIO
 
 import jax.numpy as jnp
 
-from mmgrpo_jax.config import config_to_dict
-from mmgrpo_jax.jax_lm import JaxLM, Sampling
-from mmgrpo_jax.mmgrpo import MMGRPO, MMGRPOConfig, evaluate, load_policy
+from mmgrpo_jax.cli.config import config_to_dict
+from mmgrpo_jax.engines.jax_engine import JaxLM, Sampling
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, MMGRPOConfig, evaluate, load_policy
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.prompt_opt.better_together import BetterTogether, parse_strategy
 from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
-from mmgrpo_jax.rollout import score_examples, summarize
+from mmgrpo_jax.rl.rollout import score_examples, summarize
 from models.decoder import Decoder
 from models.export import adapter_lora_config, load_peft_adapter, save_peft_adapter, without_lora
 from models.hf import load_checkpoint

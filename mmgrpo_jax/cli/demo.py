@@ -17,9 +17,9 @@ from typing import Any, TextIO
 from flax import nnx
 from transformers import PreTrainedTokenizerFast
 
-from mmgrpo_jax.losses import LossConfig
-from mmgrpo_jax.mmgrpo import MMGRPO, MMGRPOConfig, OptimConfig
-from mmgrpo_jax.rollout import quiet_failure_warnings
+from mmgrpo_jax.rl.losses import LossConfig
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, MMGRPOConfig, OptimConfig
+from mmgrpo_jax.rl.rollout import quiet_failure_warnings
 from models.config import ModelConfig
 from models.decoder import Decoder
 from models.tokenizer import build_word_tokenizer

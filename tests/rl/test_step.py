@@ -7,11 +7,11 @@ import optax
 import pytest
 from flax import nnx
 
-from mmgrpo_jax.advantages import advantages_for_groups
-from mmgrpo_jax.grouping import module_level_groups, trajectory_level_groups
-from mmgrpo_jax.losses import LossConfig, policy_loss
-from mmgrpo_jax.rollout import run_rollouts
-from mmgrpo_jax.train import (
+from mmgrpo_jax.rl.advantages import advantages_for_groups
+from mmgrpo_jax.rl.grouping import module_level_groups, trajectory_level_groups
+from mmgrpo_jax.rl.losses import LossConfig, policy_loss
+from mmgrpo_jax.rl.rollout import run_rollouts
+from mmgrpo_jax.rl.step import (
     Row,
     TrainState,
     make_logprob_fn,

@@ -21,8 +21,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mmgrpo_jax.grouping import Group
-from mmgrpo_jax.losses import LossConfig, policy_loss
+from mmgrpo_jax.rl.grouping import Group
+from mmgrpo_jax.rl.losses import LossConfig, policy_loss
 from mmgrpo_jax.sampling import MIN_LENGTH_BUCKET
 from mmgrpo_jax.shapes import bucket
 from models.decoder import Decoder

@@ -2,14 +2,14 @@ import math
 
 import pytest
 
-from mmgrpo_jax.grouping import (
+from mmgrpo_jax.rl.grouping import (
     flatten_rewards,
     module_level_groups,
     select_k_diverse,
     trajectory_level_groups,
 )
 from mmgrpo_jax.program import CallRecord
-from mmgrpo_jax.rollout import Trajectory
+from mmgrpo_jax.rl.rollout import Trajectory
 
 REWARDS = [1.0, 0.0, 0.5, 0.25]
 B_CALLS = [1, 2, 3, 0]  # module B's call count in rollouts 0..3

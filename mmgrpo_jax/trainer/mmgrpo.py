@@ -27,15 +27,15 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm.auto import tqdm
 
-from mmgrpo_jax.advantages import SCALES, advantages_for_groups
-from mmgrpo_jax.grouping import ALIGN_MODES, Group, module_level_groups, trajectory_level_groups
-from mmgrpo_jax.jax_lm import JaxLM, Sampling
-from mmgrpo_jax.losses import LossConfig
+from mmgrpo_jax.rl.advantages import SCALES, advantages_for_groups
+from mmgrpo_jax.rl.grouping import ALIGN_MODES, Group, module_level_groups, trajectory_level_groups
+from mmgrpo_jax.engines.jax_engine import JaxLM, Sampling
+from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.module import Module
-from mmgrpo_jax.rollout import Metric, Trajectory, run_rollouts, score_examples, summarize
-from mmgrpo_jax.run_log import RunLogger
-from mmgrpo_jax.train import (
+from mmgrpo_jax.rl.rollout import Metric, Trajectory, run_rollouts, score_examples, summarize
+from mmgrpo_jax.trainer.run_log import RunLogger
+from mmgrpo_jax.rl.step import (
     Batch,
     Row,
     TrainState,

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from mmgrpo_jax.http_json import ServerError
-from mmgrpo_jax.openai_lm import OpenAICompatibleLM
+from mmgrpo_jax.engines.http_json import ServerError
+from mmgrpo_jax.engines.openai_lm import OpenAICompatibleLM
 
 KEY = "sk-test-secret-0123456789"
 

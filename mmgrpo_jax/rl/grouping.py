@@ -16,7 +16,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from mmgrpo_jax.program.trace import CallRecord
-from mmgrpo_jax.rollout import Trajectory
+from mmgrpo_jax.rl.rollout import Trajectory
 
 Align = Literal["truncate", "fill_random", "fill_last", "ragged"]
 ALIGN_MODES: tuple[str, ...] = get_args(Align)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mmgrpo_jax.jax_lm import JaxLM, Sampling
+from mmgrpo_jax.engines.jax_engine import JaxLM, Sampling
 from mmgrpo_jax.program import Example, Predict, record_trace
-from mmgrpo_jax.rollout import run_rollouts
+from mmgrpo_jax.rl.rollout import run_rollouts
 from mmgrpo_jax.sampling import generate
 from models.config import ModelConfig
 from models.decoder import Decoder
