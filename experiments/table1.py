@@ -31,9 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
+from flax import nnx
+
 from mmgrpo_jax.cli.demo import DemoConfig, mmgrpo_config, tiny_policy
-from mmgrpo_jax.engines.jax_engine import JaxLM, Sampling
-from mmgrpo_jax.trainer.mmgrpo import MMGRPO, evaluate
+from mmgrpo_jax.engines.base import Sampling
+from mmgrpo_jax.engines.jax_engine import JaxEngine
+from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.program.adapter import format_outputs
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.prompt_opt.better_together import BetterTogether
@@ -41,6 +44,7 @@ from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
 from mmgrpo_jax.prompt_opt.proposer import PROPOSE, SUMMARIZE
 from mmgrpo_jax.rl.rollout import quiet_failure_warnings
 from mmgrpo_jax.testing import ScriptedLM
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, evaluate
 from programs import synthetic
 
 METHODS = ("vanilla", "prompt_opt", "mmgrpo", "better_together")
@@ -78,18 +82,23 @@ def scripted_prompt_model(seed: int) -> ScriptedLM:
 
 
 class Setup:
-    """One seed's fresh policy, its greedy LM, the data, and the optimizers built on them."""
+    """One seed's fresh policy, its engine (mmGRPO trains through it, the greedy LM scores on
+    it: both see the latest weights), the data, and the optimizers built on them."""
 
     def __init__(self, method: str, seed: int, args: argparse.Namespace) -> None:
         self.demo = DemoConfig(seed=seed, num_steps=args.steps, progress=False)
         self.model, self.tokenizer = tiny_policy(self.demo)
         self.stop = [self.tokenizer.eos_token_id]
-        self.greedy = JaxLM(
+        sampler = mmgrpo_config(self.demo, args.out).sampler
+        self.engine = JaxEngine(
             self.model,
-            self.tokenizer,
-            sampling=Sampling(1, temperature=0.0),
             stop_token_ids=self.stop,
+            trainable=nnx.Param,  # the demo trains in full
+            max_batch=sampler.batch,
+            max_wait_s=sampler.max_wait_s,
+            seed=seed,
         )
+        self.greedy = EngineLM(self.engine, self.tokenizer, sampling=Sampling(1, temperature=0.0))
         self.seed, self.candidates = seed, args.candidates
         self.run_dir = args.out / f"{args.name}_runs"
         self.trainset = synthetic.two_door_examples(repeats=4)
@@ -129,10 +138,11 @@ class Setup:
             model=self.model,
             tokenizer=self.tokenizer,
             stop_token_ids=self.stop,
+            engine=self.engine,
         )
 
     def close(self) -> None:
-        self.greedy.close()
+        self.engine.close()
 
 
 def vanilla(setup: Setup) -> tuple[Module, str]:

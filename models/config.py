@@ -65,6 +65,71 @@ class ModelConfig:
         """Qwen2 has biases on the q, k and v projections."""
         return self.model_type == "qwen2"
 
+    # -- presets -----------------------------------------------------------------------------
+    @classmethod
+    def tiny(
+        cls,
+        vocab_size: int,
+        *,
+        hidden_size: int = 32,
+        num_layers: int = 1,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        model_type: str = "llama",
+    ) -> ModelConfig:
+        """A from-scratch toy decoder (MLP 2 x hidden) for tests, demos and CPU testbeds."""
+        if hidden_size % num_heads:
+            raise ValueError(
+                f"hidden_size={hidden_size} is not a multiple of num_heads={num_heads}"
+            )
+        return cls(
+            model_type=model_type,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=hidden_size // num_heads,
+            rms_norm_eps=1e-5,
+            rope_theta=1e4,
+        )
+
+    @classmethod
+    def qwen3_8b(cls) -> ModelConfig:
+        """Qwen3-8B's shape (DESIGN section 9), for plans and benchmarks without the weights."""
+        return cls(
+            model_type="qwen3",
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_layers=36,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            max_position_embeddings=40960,
+        )
+
+    @classmethod
+    def llama31_8b(cls) -> ModelConfig:
+        """Llama-3.1-8B(-Instruct)'s shape, Llama-3 RoPE scaling included."""
+        return cls(
+            model_type="llama",
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            rms_norm_eps=1e-5,
+            rope_theta=5e5,
+            rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
+            max_position_embeddings=131072,
+        )
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """From config.json: rope_theta + rope_scaling, or rope_parameters (transformers 5)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from mmgrpo_jax.engines.openai_lm import OpenAICompatibleLM
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
-from mmgrpo_jax.rl.rollout import Metric
+from mmgrpo_jax.rl.types import Metric
 from programs import banking77, hover, papillon
 from programs.data import Splits
 from programs.retrieval import DEFAULT_CACHE, BM25Retriever, ColBERTv2Client

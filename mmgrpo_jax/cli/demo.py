@@ -14,15 +14,14 @@ import json
 from pathlib import Path
 from typing import Any, TextIO
 
-from flax import nnx
 from transformers import PreTrainedTokenizerFast
 
 from mmgrpo_jax.rl.losses import LossConfig
-from mmgrpo_jax.trainer.mmgrpo import MMGRPO, MMGRPOConfig, OptimConfig
 from mmgrpo_jax.rl.rollout import quiet_failure_warnings
-from models.config import ModelConfig
+from mmgrpo_jax.testing import word_policy
+from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO
 from models.decoder import Decoder
-from models.tokenizer import build_word_tokenizer
 from programs import synthetic
 
 
@@ -55,20 +54,12 @@ class DemoConfig:
 
 def tiny_policy(config: DemoConfig) -> tuple[Decoder, PreTrainedTokenizerFast]:
     """A from-scratch Llama-architecture decoder over a word vocabulary of the task's words."""
-    tokenizer = build_word_tokenizer([*synthetic.SIGN_WORDS, *synthetic.DOORS])
-    model_config = ModelConfig(
-        "llama",
-        len(tokenizer),
-        config.hidden_size,
-        2 * config.hidden_size,
-        config.num_layers,
-        4,
-        2,
-        config.hidden_size // 4,
-        1e-5,
-        1e4,
+    return word_policy(
+        [*synthetic.SIGN_WORDS, *synthetic.DOORS],
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        seed=config.seed,
     )
-    return Decoder(model_config, rngs=nnx.Rngs(config.seed)), tokenizer
 
 
 def mmgrpo_config(config: DemoConfig, run_dir: str | Path) -> MMGRPOConfig:
@@ -77,7 +68,6 @@ def mmgrpo_config(config: DemoConfig, run_dir: str | Path) -> MMGRPOConfig:
         num_rollouts=config.num_rollouts,
         examples_per_step=config.examples_per_step,
         num_steps=config.num_steps,
-        max_completion_tokens=1,  # one word: the bare predictors' whole reply
         format_failure_score=config.format_failure_score,
         train="full",
         loss=LossConfig(config.loss, epsilon_high=config.epsilon_high, beta=config.beta),
@@ -86,8 +76,8 @@ def mmgrpo_config(config: DemoConfig, run_dir: str | Path) -> MMGRPOConfig:
         checkpoint_every=50,
         seed=config.seed,
         run_dir=str(run_dir),
-        sampler_batch=128,
-        sampler_max_wait_s=1.0,
+        # one word: the bare predictors' whole reply
+        sampler=SamplerConfig(max_completion_tokens=1, batch=128, max_wait_s=1.0),
         progress=config.progress,
     )
 

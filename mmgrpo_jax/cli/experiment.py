@@ -5,14 +5,14 @@ One `ExperimentConfig` file per (task, model) serves the first three: `train` ru
 in the strategy's order. The policy comes from a local Hugging Face checkpoint
 (`mmgrpo.model_path`); the roles that are not trained (PAPILLON's untrusted LM and judge, the
 prompt model) use an OpenAI-compatible server or, by default, the same checkpoint's frozen base
-weights (shared, not copied) behind their own batcher.
+weights (shared, not copied) behind their own engine. The policy's engine is one, shared by the
+training rollouts and every greedy evaluation, and always holds the latest weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -20,15 +20,19 @@ from pathlib import Path
 from typing import Any, Literal, TextIO
 
 import jax.numpy as jnp
+from flax import nnx
 
 from mmgrpo_jax.cli.config import config_to_dict
-from mmgrpo_jax.engines.jax_engine import JaxLM, Sampling
-from mmgrpo_jax.trainer.mmgrpo import MMGRPO, MMGRPOConfig, evaluate, load_policy
+from mmgrpo_jax.engines.base import Sampling
+from mmgrpo_jax.engines.jax_engine import JaxEngine
+from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.prompt_opt.better_together import BetterTogether, parse_strategy
 from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
 from mmgrpo_jax.rl.rollout import score_examples, summarize
+from mmgrpo_jax.trainer.config import MMGRPOConfig
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, evaluate, load_policy
 from models.decoder import Decoder
 from models.export import adapter_lora_config, load_peft_adapter, save_peft_adapter, without_lora
 from models.hf import load_checkpoint
@@ -105,10 +109,10 @@ class FrozenBaseLMs:
     def __init__(self, model: Decoder, tokenizer: HFTokenizer, stop: Sequence[int]) -> None:
         self.base = without_lora(model) if model.lora is not None else model
         self.tokenizer, self.stop = tokenizer, tuple(stop)
-        self.lms: list[JaxLM] = []
+        self.lms: list[EngineLM] = []
 
-    def __call__(self, max_tokens: int, temperature: float = 0.0) -> JaxLM:
-        lm = JaxLM(
+    def __call__(self, max_tokens: int, temperature: float = 0.0) -> EngineLM:
+        lm = EngineLM.local(
             self.base,
             self.tokenizer,
             sampling=Sampling(max_tokens, temperature=temperature),
@@ -127,13 +131,29 @@ def _first(examples: list[Example], limit: int | None) -> list[Example]:
 
 
 class Policy:
-    """The checkpoint, the frozen-base LMs of the other roles, the task, and a greedy LM on the
-    policy's live weights (it sees every update): what each command starts from."""
+    """The checkpoint, the frozen-base LMs of the other roles, the task, and the policy's engine
+    (mmGRPO trains through it and updates its weights; the greedy LM scores on it): what each
+    command starts from."""
 
     def __init__(self, cfg: ExperimentConfig) -> None:
         self.cfg = cfg
         self.model, self.tokenizer, self.stop = load_policy(cfg.mmgrpo)
         self.frozen = FrozenBaseLMs(self.model, self.tokenizer, self.stop)
+        sampler = cfg.mmgrpo.sampler
+        self.engine = JaxEngine(
+            self.model,
+            stop_token_ids=self.stop,
+            trainable=nnx.LoRAParam if cfg.mmgrpo.train == "lora" else nnx.Param,
+            max_batch=sampler.batch,
+            max_wait_s=sampler.max_wait_s,
+            seed=cfg.mmgrpo.seed,
+        )
+        self.greedy = EngineLM(
+            self.engine,
+            self.tokenizer,
+            sampling=Sampling(sampler.max_completion_tokens, temperature=0.0),
+            max_prompt_tokens=sampler.max_prompt_tokens,
+        )
         try:
             self.task = build_task(cfg.task, self.frozen)
         except BaseException:
@@ -144,18 +164,6 @@ class Policy:
         self.trainset = _first(self.task.splits.train, cfg.train_limit)
         self.valset = _first(self.task.splits.dev, cfg.val_limit)
 
-    @functools.cached_property
-    def greedy(self) -> JaxLM:
-        """Made on first use: `train` never needs it (MMGRPO evaluates with its own)."""
-        return JaxLM(
-            self.model,
-            self.tokenizer,
-            sampling=Sampling(self.cfg.mmgrpo.max_completion_tokens, temperature=0.0),
-            stop_token_ids=self.stop,
-            max_prompt_tokens=self.cfg.mmgrpo.max_prompt_tokens,
-            max_batch=self.cfg.mmgrpo.sampler_batch,
-        )
-
     def mmgrpo(self) -> MMGRPO:
         return MMGRPO(
             self.task.metric,
@@ -163,6 +171,7 @@ class Policy:
             model=self.model,
             tokenizer=self.tokenizer,
             stop_token_ids=self.stop,
+            engine=self.engine,
         )
 
     def mipro(self, out_dir: Path) -> MIPROv2:
@@ -174,8 +183,7 @@ class Policy:
         return evaluate(program, examples, self.task.metric, self.greedy)
 
     def close(self) -> None:
-        if "greedy" in self.__dict__:  # only if it was made
-            self.greedy.close()
+        self.engine.close()
         self.frozen.close()
 
 
@@ -265,7 +273,7 @@ def load_eval_policy(cfg: EvalConfig) -> tuple[Decoder, HFTokenizer, tuple[int, 
 
 
 def evaluate_task(
-    task: Task, examples: list[Example], lm: JaxLM, out: Path, progress: bool = True
+    task: Task, examples: list[Example], lm: EngineLM, out: Path, progress: bool = True
 ) -> dict[str, Any]:
     """Greedy run over `examples`; failures score 0; one JSONL line per example."""
     trajectories = score_examples(task.program, examples, task.metric, lm=lm, progress=progress)
@@ -295,7 +303,7 @@ def evaluate_task(
 def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     model, tokenizer, stop = load_eval_policy(cfg)
     frozen = FrozenBaseLMs(model, tokenizer, stop)
-    policy = JaxLM(
+    policy = EngineLM.local(
         model,
         tokenizer,
         sampling=Sampling(cfg.max_completion_tokens, temperature=0.0),

@@ -10,7 +10,8 @@ import numpy as np
 
 from mmgrpo_jax.rl.advantages import SCALES, advantages_for_groups
 from mmgrpo_jax.rl.grouping import ALIGN_MODES, Group, module_level_groups
-from mmgrpo_jax.rl.rollout import Trajectory, quiet_failure_warnings, run_rollouts, summarize
+from mmgrpo_jax.rl.rollout import quiet_failure_warnings, run_rollouts, summarize
+from mmgrpo_jax.rl.types import Trajectory
 from programs import synthetic
 
 

@@ -1,0 +1,1 @@
+"""Rollout engines: the protocol the trainer samples through, the JAX engine, external LMs."""

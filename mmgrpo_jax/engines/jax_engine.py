@@ -1,11 +1,13 @@
-"""The local JAX policy as an LM of the program layer, behind a request batcher.
+"""The JAX rollout engine: a request batcher in front of the jitted sampler.
 
-Rollout threads call `lm(messages)` concurrently; each call renders its chat prompt, queues it and
-blocks. One dispatcher thread owns the model: it waits until every registered client (a running
-rollout) is waiting, or `max_batch` requests are queued, or the oldest request has waited
-`max_wait_s`, then samples one batch per distinct sampling setting and hands each caller its
-completion with token ids and log-probs. Clients register through `open_client` /
-`close_client`, which `run_rollouts` calls for the LM it is given.
+Rollout threads submit requests concurrently. One dispatcher thread waits until every registered
+client (a running rollout) has a request queued, or `max_batch` requests are queued, or the
+oldest has waited `max_wait_s`, then samples one batch per distinct sampling setting and resolves
+each request's future. The engine holds its own split of the model (graphdef, trainable state,
+the frozen rest): `update_weights` swaps the trainable part for a validated copy between
+dispatches, so the trainer may donate its buffers and never shares a mutable model with this
+thread. Rows of a batch are ordered by (example, rollout, call), and each sampled dispatch takes
+the next seed of a counter that `state_dict` saves, so a run is reproducible and resumable.
 """
 
 from __future__ import annotations
@@ -13,133 +15,95 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh
 
-from mmgrpo_jax.program.lm import LMOutput
-from mmgrpo_jax.program.trace import current
+from mmgrpo_jax.engines.base import Completion, EngineStats, Request, Sampling, check_weights
 from mmgrpo_jax.sampling import generate
 from models.decoder import Decoder
-from models.tokenizer import HFTokenizer, chat_prompt_ids
-
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """Per-request sampling settings; requests are batched only with identical settings."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
 
 
 @dataclasses.dataclass
-class _Request:
-    prompt_ids: list[int]
-    sampling: Sampling
+class _Pending:
+    request: Request
     future: Future
     queued_at: float
-    order: tuple | None  # (example, rollout, call) inside a rollout: fixes its row in a batch
 
 
-@dataclasses.dataclass
-class BatcherStats:
-    """How full the sampler calls were: the number behind 'keep the sampler busy'."""
-
-    dispatches: int = 0
-    requests: int = 0
-    max_batch: int = 1
-
-    @property
-    def mean_batch(self) -> float:
-        return self.requests / self.dispatches if self.dispatches else 0.0
-
-    @property
-    def occupancy(self) -> float:
-        return self.mean_batch / self.max_batch
-
-
-class JaxLM:
-    """`lm(messages, **sampling) -> LMOutput` on a local Decoder; thread-safe, batched."""
+class JaxEngine:
+    """`RolloutEngine` over a local Decoder; thread-safe, batched."""
 
     def __init__(
         self,
         model: Decoder,
-        tokenizer: HFTokenizer,
         *,
-        sampling: Sampling,
         stop_token_ids: Sequence[int],
-        max_prompt_tokens: int | None = None,
+        trainable: Any = None,
         max_batch: int = 64,
         max_wait_s: float = 0.05,
         seed: int = 0,
         mesh: Mesh | None = None,
     ) -> None:
+        """`trainable` filters the part `update_weights` replaces (default: the LoRA parameters
+        of a model with an adapter, else every parameter)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_wait_s <= 0:
             raise ValueError(f"max_wait_s must be > 0, got {max_wait_s}")
-        self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
+        if trainable is None:
+            trainable = nnx.LoRAParam if model.lora is not None else nnx.Param
+        graphdef, weights, rest = nnx.split(model, trainable, ...)
+        # Fresh containers over the same (immutable) arrays: assigning into the model's
+        # variables later changes nothing here; only update_weights does.
+        self._graphdef = graphdef
+        self._weights, self._rest = jax.tree.map(lambda x: x, (weights, rest))
+        self.vocab_size = model.config.vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
-        self.max_prompt_tokens = max_prompt_tokens
         self.max_batch, self.max_wait_s, self.mesh = max_batch, max_wait_s, mesh
-        self.stats = BatcherStats(max_batch=max_batch)
+        self._stats = EngineStats(max_batch=max_batch)
         self._seed = seed
-        self._calls = 0
-        self._pending: list[_Request] = []
+        self._sampled_dispatches = 0
+        self._pending: list[_Pending] = []
         self._clients = 0
         self._closed = False
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._dispatch_loop, name="jax-lm", daemon=True)
+        self._thread = threading.Thread(target=self._dispatch_loop, name="jax-engine", daemon=True)
         self._thread.start()
 
-    # -- the LM protocol -------------------------------------------------------------------
-    def __call__(self, messages: Sequence[dict[str, str]], **sampling: Any) -> LMOutput:
-        unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
-        if unknown:
-            raise TypeError(f"unknown sampling arguments {unknown}; allowed: {SAMPLING_KEYS}")
-        settings = dataclasses.replace(self.sampling, **sampling)
-        prompt = chat_prompt_ids(self.tokenizer, messages)
-        if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
-            raise ValueError(
-                f"prompt has {len(prompt)} tokens, more than max_prompt_tokens="
-                f"{self.max_prompt_tokens}"
-            )
-        trace = current().trace
-        order = None if trace is None or trace.key is None else (*trace.key, len(trace.calls))
+    # -- the engine protocol ---------------------------------------------------------------
+    def submit(self, request: Request) -> Future[Completion]:
         future: Future = Future()
         with self._cond:
             if self._closed:
-                raise RuntimeError("this JaxLM is closed")
-            self._pending.append(_Request(prompt, settings, future, time.monotonic(), order))
+                raise RuntimeError("this JaxEngine is closed")
+            self._pending.append(_Pending(request, future, time.monotonic()))
             self._cond.notify_all()
-        completion = future.result()
-        ids = completion.token_ids
-        body = ids[:-1] if completion.finish_reason == "stop" else ids
-        return LMOutput(
-            text=self.tokenizer.decode(body, skip_special_tokens=True),
-            prompt_ids=tuple(prompt),
-            completion_ids=tuple(ids),
-            logprobs=tuple(completion.logprobs),
-            finish_reason=completion.finish_reason,
-        )
+        return future
+
+    def update_weights(self, params: nnx.State) -> None:
+        check_weights(self._weights, params)
+        copied = jax.tree.map(jnp.array, params)  # the trainer donates its own buffers
+        with self._cond:
+            self._weights = copied
 
     @property
-    def calls(self) -> int:
-        """Sampler calls so far; with the seed it fixes the next call's PRNG stream (resume)."""
-        return self._calls
+    def stats(self) -> EngineStats:
+        return self._stats
 
-    @calls.setter
-    def calls(self, value: int) -> None:
+    def state_dict(self) -> dict[str, Any]:
         with self._cond:
-            self._calls = int(value)
+            return {"sampled_dispatches": self._sampled_dispatches}
 
-    # -- clients: who may still send a request -----------------------------------------------
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        with self._cond:
+            self._sampled_dispatches = int(state["sampled_dispatches"])
+
     def open_client(self) -> None:
         with self._cond:
             self._clients += 1
@@ -170,25 +134,27 @@ class JaxLM:
                     self._cond.wait(timeout=self.max_wait_s / 4)
                 if self._closed and not self._pending:
                     return
-                settings = self._pending[0].sampling
+                settings = self._pending[0].request.sampling
                 # Rows are sampled by position: order them by rollout, not by thread timing, so
                 # a run is reproducible (and resumable) whenever batches are full.
                 same = sorted(
-                    (r for r in self._pending if r.sampling == settings),
-                    key=lambda r: (r.order is None, r.order or (), r.queued_at),
+                    (p for p in self._pending if p.request.sampling == settings),
+                    key=lambda p: (p.request.order is None, p.request.order or (), p.queued_at),
                 )
                 batch = same[: self.max_batch]
-                taken = {id(r) for r in batch}
-                self._pending = [r for r in self._pending if id(r) not in taken]
-                seed = self._seed * 1_000_003 + self._calls  # a fresh stream every call
-                self._calls += 1
-            self._run(batch, settings, seed)
+                taken = {id(p) for p in batch}
+                self._pending = [p for p in self._pending if id(p) not in taken]
+                seed = self._seed * 1_000_003 + self._sampled_dispatches  # fresh stream per call
+                if settings.temperature > 0:  # greedy batches draw nothing
+                    self._sampled_dispatches += 1
+                model = nnx.merge(self._graphdef, self._weights, self._rest)
+            self._run(model, batch, settings, seed)
 
-    def _run(self, batch: list[_Request], settings: Sampling, seed: int) -> None:
+    def _run(self, model: Decoder, batch: list[_Pending], settings: Sampling, seed: int) -> None:
         try:
             completions = generate(
-                self.model,
-                [r.prompt_ids for r in batch],
+                model,
+                [p.request.prompt_ids for p in batch],
                 max_new_tokens=settings.max_new_tokens,
                 temperature=settings.temperature,
                 top_p=settings.top_p,
@@ -198,11 +164,11 @@ class JaxLM:
                 mesh=self.mesh,
             )
         except Exception as err:  # every waiting caller sees the failure; none hangs
-            for request in batch:
-                request.future.set_exception(err)
+            for pending in batch:
+                pending.future.set_exception(err)
             return
         with self._cond:
-            self.stats.dispatches += 1
-            self.stats.requests += len(batch)
-        for request, completion in zip(batch, completions, strict=True):
-            request.future.set_result(completion)
+            self._stats.dispatches += 1
+            self._stats.requests += len(batch)
+        for pending, completion in zip(batch, completions, strict=True):
+            pending.future.set_result(completion)

@@ -18,7 +18,8 @@ from typing import Any
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module, Predict
-from mmgrpo_jax.rl.rollout import Metric, Trajectory, run_pairs
+from mmgrpo_jax.rl.rollout import run_pairs
+from mmgrpo_jax.rl.types import Metric, Trajectory
 
 Demo = dict[str, Any]
 DemoSets = dict[str, list[list[Demo]]]  # predictor name -> slot -> demos

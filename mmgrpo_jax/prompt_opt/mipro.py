@@ -22,7 +22,7 @@ from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.prompt_opt.demos import bootstrap_pool_size, build_demo_sets
 from mmgrpo_jax.prompt_opt.proposer import InstructionProposer
 from mmgrpo_jax.prompt_opt.search import Candidates, apply, num_trials, search, write_trial_log
-from mmgrpo_jax.rl.rollout import Metric
+from mmgrpo_jax.rl.types import Metric
 
 logger = logging.getLogger(__name__)
 

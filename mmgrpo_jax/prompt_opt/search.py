@@ -27,7 +27,8 @@ from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.prompt_opt.demos import Demo
-from mmgrpo_jax.rl.rollout import Metric, score_pairs
+from mmgrpo_jax.rl.rollout import score_pairs
+from mmgrpo_jax.rl.types import Metric
 
 logger = logging.getLogger(__name__)
 

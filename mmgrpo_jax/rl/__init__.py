@@ -1,0 +1,1 @@
+"""Rollouts, grouping, advantages, losses, batching of rows and the jitted update."""

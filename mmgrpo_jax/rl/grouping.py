@@ -2,21 +2,25 @@
 
 DESIGN section 5. Module-level, per example e and module p: collect p's calls per rollout in
 invocation order, align the lists across rollouts, make group k from the k-th calls, pad a short
-group to G by repeating its members in order, optionally pick K diverse members. Every member
-keeps the reward of the trajectory it came from.
+group to the configured G by repeating its members in order, optionally pick K diverse members.
+Every member keeps the reward of the trajectory it came from.
+
+Grouping rules live in a registry (`register_grouping`); each declares the unit its loss
+normalises by: "row" (every training row is its own sequence) or "trajectory" (all rows of one
+group member form one unit: a whole trajectory at trajectory level).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, get_args
 
 import numpy as np
 
 from mmgrpo_jax.program.trace import CallRecord
-from mmgrpo_jax.rl.rollout import Trajectory
+from mmgrpo_jax.rl.types import Trajectory
 
 Align = Literal["truncate", "fill_random", "fill_last", "ragged"]
 ALIGN_MODES: tuple[str, ...] = get_args(Align)
@@ -62,6 +66,58 @@ def select_k_diverse(rewards: Sequence[float], k: int) -> list[int]:
     return [order[p] for p in positions]
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupingSettings:
+    """What a grouping rule is told each step."""
+
+    num_rollouts: int  # G: the configured group size, and the target of padding
+    align: str = "truncate"
+    select_k: int | None = None
+    seed: int = 0  # fresh per step (fill_random draws)
+
+
+GroupingFn = Callable[[Sequence[Trajectory], GroupingSettings], list[Group]]
+Unit = Literal["row", "trajectory"]
+UNITS: tuple[str, ...] = get_args(Unit)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupingRule:
+    group: GroupingFn
+    unit: Unit  # what the loss's sequence-level aggregations normalise by
+
+
+GROUPINGS: dict[str, GroupingRule] = {}
+
+
+def register_grouping(name: str, group: GroupingFn, *, unit: Unit = "row") -> None:
+    """Make `MMGRPOConfig(grouping=name)` form its groups with `group(trajectories, settings)`.
+
+    `unit="row"`: every (member, call) row is one sequence of the loss; `unit="trajectory"`: all
+    the rows of one group member are one sequence (normalised by their total tokens), as the
+    trajectory-level objective does with whole trajectories (a member may hold any calls).
+    """
+    if not name or not isinstance(name, str):
+        raise ValueError(f"a grouping rule needs a non-empty name, got {name!r}")
+    if name in GROUPINGS:
+        raise ValueError(f"grouping rule {name!r} is already registered")
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
+    if not callable(group):
+        raise TypeError(f"the grouping rule {name!r} must be callable")
+    GROUPINGS[name] = GroupingRule(group, unit)
+
+
+def grouping_rule(name: str) -> GroupingRule:
+    try:
+        return GROUPINGS[name]
+    except KeyError:
+        raise ValueError(
+            f"grouping must be a registered rule ({sorted(GROUPINGS)}; add one with "
+            f"mmgrpo_jax.register_grouping), got {name!r}"
+        ) from None
+
+
 def _pad(members: list[GroupMember], size: int) -> list[GroupMember]:
     return [members[i % len(members)] for i in range(max(size, len(members)))]
 
@@ -99,6 +155,7 @@ def _module_groups(
     module: str,
     rollouts: list[Trajectory],
     align: str,
+    size: int,
     select_k: int | None,
     rng: np.random.Generator,
 ) -> list[Group]:
@@ -116,7 +173,6 @@ def _module_groups(
             fill = [own[-1]] * max(extra, 0) if own else []
         aligned.append((own + fill)[:length])
     groups = []
-    size = len(rollouts)
     for k in range(max(lengths)):
         members = [
             GroupMember(t.rollout_index, t.reward, (row[k],))
@@ -133,36 +189,69 @@ def module_level_groups(
     align: Align = "truncate",
     select_k: int | None = None,
     seed: int = 0,
+    num_rollouts: int | None = None,
 ) -> list[Group]:
     """Module-level groups, ordered by example, module (first appearance), invocation.
 
-    G for an example is its number of trajectories; `fill_random` draws from a generator seeded
-    by (seed, example, module) so results do not depend on the order of other groups.
+    Short groups are padded to `num_rollouts` (the configured G; by default the example's number
+    of trajectories), never to how many happen to be passed in. `fill_random` draws from a
+    generator seeded by (seed, example, module) so results do not depend on other groups.
     """
     if align not in ALIGN_MODES:
         raise ValueError(f"align must be one of {ALIGN_MODES}, got {align!r}")
-    if select_k is not None and select_k < 1:
-        raise ValueError(f"select_k must be >= 1 or None, got {select_k}")
+    _check_sizes(select_k, num_rollouts)
     groups = []
     for e, rollouts in _by_example(trajectories).items():
+        size = len(rollouts) if num_rollouts is None else num_rollouts
         modules = list(dict.fromkeys(c.predictor for t in rollouts for c in t.calls))
         for module in modules:
             rng = np.random.default_rng([seed, e, zlib.crc32(module.encode())])
-            groups += _module_groups(e, module, rollouts, align, select_k, rng)
+            groups += _module_groups(e, module, rollouts, align, size, select_k, rng)
     return groups
 
 
 def trajectory_level_groups(
-    trajectories: Sequence[Trajectory], *, select_k: int | None = None
+    trajectories: Sequence[Trajectory],
+    *,
+    select_k: int | None = None,
+    num_rollouts: int | None = None,
 ) -> list[Group]:
-    """One group per example holding its G whole trajectories (every call is a row)."""
-    if select_k is not None and select_k < 1:
-        raise ValueError(f"select_k must be >= 1 or None, got {select_k}")
+    """One group per example holding its whole trajectories (every call is a row), padded to
+    `num_rollouts` (default: the example's number of trajectories)."""
+    _check_sizes(select_k, num_rollouts)
     groups = []
     for e, rollouts in _by_example(trajectories).items():
+        size = len(rollouts) if num_rollouts is None else num_rollouts
         members = [GroupMember(t.rollout_index, t.reward, t.calls) for t in rollouts]
-        groups.append(Group(e, None, None, _finish(members, len(members), select_k)))
+        groups.append(Group(e, None, None, _finish(members, size, select_k)))
     return groups
+
+
+def _check_sizes(select_k: int | None, num_rollouts: int | None) -> None:
+    if select_k is not None and select_k < 1:
+        raise ValueError(f"select_k must be >= 1 or None, got {select_k}")
+    if num_rollouts is not None and num_rollouts < 1:
+        raise ValueError(f"num_rollouts must be >= 1 or None, got {num_rollouts}")
+
+
+register_grouping(
+    "module",
+    lambda trajectories, s: module_level_groups(
+        trajectories,
+        align=s.align,
+        select_k=s.select_k,
+        seed=s.seed,
+        num_rollouts=s.num_rollouts,
+    ),
+    unit="row",
+)
+register_grouping(
+    "trajectory",
+    lambda trajectories, s: trajectory_level_groups(
+        trajectories, select_k=s.select_k, num_rollouts=s.num_rollouts
+    ),
+    unit="trajectory",
+)
 
 
 def flatten_rewards(groups: Sequence[Group]) -> tuple[np.ndarray, np.ndarray]:

@@ -1,20 +1,36 @@
 """Policy-gradient losses: per-token objectives and their aggregations (DESIGN section 4).
 
-A variant is one per-token function plus an aggregation, registered in `VARIANTS`. Everything is
-float32, masked with `where` on the inputs as well as the outputs, so padding holding -inf or NaN
-log-probs never reaches a gradient. Shapes: B rows, T completion positions.
+A variant is one per-token function with the shared signature `(cfg, TokenInputs) -> TokenTerms`
+plus the name of its aggregation, registered with `register_loss` (the built-ins below are
+registered the same way). Everything is float32, masked with `where` on the inputs as well as
+the outputs, so padding holding -inf or NaN log-probs never reaches a gradient. Shapes: B rows,
+T completion positions. The unit a sequence-level aggregation normalises by is the row, or a
+group of rows sharing a unit id (trajectory-level grouping: all calls of one trajectory).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
 
 Aggregation = Literal["sequence_mean", "token_mean_local", "token_mean_global", "fixed_length"]
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenInputs:
+    """What a per-token objective may read; `batch` holds every other per-row input by name."""
+
+    logps: jax.Array  # [B, T] trainer log-probs (masked, float32); gradients flow here
+    old_logps: jax.Array  # [B, T] constant
+    log_ratio: jax.Array  # [B, T] logps - old_logps on the mask, 0 elsewhere
+    advantages: jax.Array  # [B, 1] constant
+    mask: jax.Array  # [B, T] bool, completion tokens only
+    batch: Any = None  # the micro-batch (rl.batch.Batch fields for one micro-batch), if any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,11 +41,40 @@ class TokenTerms:
     clipped_high: jax.Array  # [B, T] bool
 
 
+TokenObjective = Callable[["LossConfig", TokenInputs], TokenTerms]
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    token_terms: Callable[..., TokenTerms]
+    token_terms: TokenObjective
     aggregation: Aggregation
     uses_delta: bool = False
+
+
+VARIANTS: dict[str, Variant] = {}  # the registry: name -> variant
+
+
+def register_loss(
+    name: str,
+    token_terms: TokenObjective,
+    *,
+    aggregation: Aggregation = "sequence_mean",
+    uses_delta: bool = False,
+) -> None:
+    """Make `LossConfig(variant=name)` train with `token_terms`, aggregated by `aggregation`.
+
+    `token_terms(cfg, inputs)` returns the per-token loss (to minimise) and its ratio and clip
+    masks for the metrics; `inputs.batch` gives any extra per-token input added to the batch.
+    """
+    if not name or not isinstance(name, str):
+        raise ValueError(f"a loss variant needs a non-empty name, got {name!r}")
+    if name in VARIANTS:
+        raise ValueError(f"loss variant {name!r} is already registered")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if not callable(token_terms):
+        raise TypeError(f"token_terms of loss variant {name!r} must be callable")
+    VARIANTS[name] = Variant(token_terms, aggregation, uses_delta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +83,11 @@ class LossConfig:
 
     `epsilon_high` defaults to `epsilon` for the clipped variants; for cispo it is an absolute cap
     on the ratio (TRL's form) and must be given, e.g. 5.0. `delta` (two-sided clipping) applies to
-    grpo, bnpo, dapo and dr_grpo. `max_completion_length` is dr_grpo's constant normaliser.
+    grpo, bnpo, dapo and dr_grpo. `max_completion_length` is dr_grpo's constant normaliser: left
+    unset in an MMGRPOConfig it becomes the sampler's `max_completion_tokens`.
     """
 
-    variant: str
+    variant: str = "grpo"
     epsilon: float = 0.2
     epsilon_high: float | None = None
     delta: float | None = None
@@ -56,7 +102,8 @@ class LossConfig:
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ValueError(
-                f"LossConfig.variant must be one of {sorted(VARIANTS)}, got {self.variant!r}"
+                f"LossConfig.variant must be a registered loss ({sorted(VARIANTS)}; add one with "
+                f"mmgrpo_jax.register_loss), got {self.variant!r}"
             )
         if not self.epsilon >= 0:
             raise ValueError(f"LossConfig.epsilon must be >= 0, got {self.epsilon!r}")
@@ -77,11 +124,9 @@ class LossConfig:
                 raise ValueError(f"LossConfig.delta must be > 1, got {self.delta!r}")
         if not self.beta >= 0:
             raise ValueError(f"LossConfig.beta must be >= 0, got {self.beta!r}")
-        if self.variant == "dr_grpo" and (
-            self.max_completion_length is None or self.max_completion_length < 1
-        ):
+        if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ValueError(
-                "LossConfig.max_completion_length must be a positive int for dr_grpo, got "
+                "LossConfig.max_completion_length must be a positive int or null, got "
                 f"{self.max_completion_length!r}"
             )
 
@@ -96,44 +141,33 @@ def _ppo_clip(cfg: LossConfig, ratio: jax.Array, advantages: jax.Array) -> Token
     return TokenTerms(loss, ratio, low, high)
 
 
-def _clipped_terms(
-    cfg: LossConfig, logps: jax.Array, log_ratio: jax.Array, advantages: jax.Array, mask: jax.Array
-) -> TokenTerms:
+def _clipped_terms(cfg: LossConfig, x: TokenInputs) -> TokenTerms:
     """GRPO/BNPO/DAPO/Dr. GRPO: PPO-clip on each token's ratio."""
-    del logps, mask
-    return _ppo_clip(cfg, jnp.exp(log_ratio), advantages)
+    return _ppo_clip(cfg, jnp.exp(x.log_ratio), x.advantages)
 
 
-def _gspo_terms(
-    cfg: LossConfig, logps: jax.Array, log_ratio: jax.Array, advantages: jax.Array, mask: jax.Array
-) -> TokenTerms:
+def _gspo_terms(cfg: LossConfig, x: TokenInputs) -> TokenTerms:
     """GSPO: PPO-clip on the length-normalised sequence ratio, its gradient reaching every token."""
-    del logps
-    lengths = jnp.maximum(mask.sum(-1, keepdims=True), 1)
-    ratio = jnp.exp(log_ratio.sum(-1, keepdims=True) / lengths) * jnp.ones_like(log_ratio)
-    return _ppo_clip(cfg, ratio, advantages)  # delta is rejected for gspo by LossConfig
+    lengths = jnp.maximum(x.mask.sum(-1, keepdims=True), 1)
+    ratio = jnp.exp(x.log_ratio.sum(-1, keepdims=True) / lengths) * jnp.ones_like(x.log_ratio)
+    return _ppo_clip(cfg, ratio, x.advantages)  # delta is rejected for gspo by LossConfig
 
 
-def _cispo_terms(
-    cfg: LossConfig, logps: jax.Array, log_ratio: jax.Array, advantages: jax.Array, mask: jax.Array
-) -> TokenTerms:
+def _cispo_terms(cfg: LossConfig, x: TokenInputs) -> TokenTerms:
     """CISPO: REINFORCE weighted by the capped, stop-gradient ratio; never zero gradient."""
-    del mask
-    ratio = jnp.exp(log_ratio)
+    ratio = jnp.exp(x.log_ratio)
     weight = jax.lax.stop_gradient(jnp.minimum(ratio, cfg.eps_high))
-    loss = -weight * advantages * logps
-    high = (ratio > cfg.eps_high) & (advantages > 0)
+    loss = -weight * x.advantages * x.logps
+    high = (ratio > cfg.eps_high) & (x.advantages > 0)
     return TokenTerms(loss, ratio, jnp.zeros_like(high), high)
 
 
-VARIANTS: dict[str, Variant] = {
-    "grpo": Variant(_clipped_terms, "sequence_mean", uses_delta=True),
-    "bnpo": Variant(_clipped_terms, "token_mean_local", uses_delta=True),
-    "dapo": Variant(_clipped_terms, "token_mean_global", uses_delta=True),
-    "dr_grpo": Variant(_clipped_terms, "fixed_length", uses_delta=True),
-    "cispo": Variant(_cispo_terms, "token_mean_global"),
-    "gspo": Variant(_gspo_terms, "sequence_mean"),
-}
+register_loss("grpo", _clipped_terms, aggregation="sequence_mean", uses_delta=True)
+register_loss("bnpo", _clipped_terms, aggregation="token_mean_local", uses_delta=True)
+register_loss("dapo", _clipped_terms, aggregation="token_mean_global", uses_delta=True)
+register_loss("dr_grpo", _clipped_terms, aggregation="fixed_length", uses_delta=True)
+register_loss("cispo", _cispo_terms, aggregation="token_mean_global")
+register_loss("gspo", _gspo_terms, aggregation="sequence_mean")
 
 
 def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
@@ -147,19 +181,22 @@ def policy_loss(
     advantages: jax.Array,  # [B]
     mask: jax.Array,  # [B, T] completion tokens only
     ref_logps: jax.Array | None = None,  # [B, T] base model (LoRA off), needed when beta > 0
-    trajectory_ids: jax.Array | None = None,  # [B] ids in [0, B), -1 = padding row
+    unit_ids: jax.Array | None = None,  # [B] ids in [0, B), -1 = padding row
     *,
     num_sequences: jax.Array | int | None = None,
     num_tokens: jax.Array | int | None = None,
     num_micro_batches: int = 1,
+    batch: Any = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The loss to minimise and its metrics, DESIGN section 4.
 
-    With `trajectory_ids` the sequence unit is the trajectory (trajectory-level mmGRPO); all rows
-    of a trajectory must be in this call. Under gradient accumulation pass the whole step's
-    `num_sequences` (rows, or trajectories) and `num_tokens` so that summing the micro-batch
-    losses gives the step's loss; by default both are counted in this batch. bnpo averages
-    micro-batch token means by definition, so it takes `num_micro_batches` instead.
+    `unit_ids` say which rows form one sequence unit of the aggregation (rows sharing an id are
+    one unit, e.g. a trajectory in trajectory-level mmGRPO; all of a unit's rows must be in this
+    call); without them every row is its own unit. Under gradient accumulation pass the whole
+    step's `num_sequences` (units) and `num_tokens` so that summing the micro-batch losses gives
+    the step's loss; by default both are counted in this batch. bnpo averages micro-batch token
+    means by definition, so it takes `num_micro_batches` instead. `batch` reaches the variant's
+    token function as `inputs.batch`.
     """
     if cfg.beta > 0 and ref_logps is None:
         raise ValueError(f"LossConfig.beta={cfg.beta} needs ref_logps for the KL term")
@@ -171,15 +208,21 @@ def policy_loss(
     if advantages.shape != logps.shape[:1]:
         raise ValueError(f"advantages must be [B]={logps.shape[:1]}, got {advantages.shape}")
     variant = VARIANTS[cfg.variant]
+    fixed_length = cfg.max_completion_length
+    if variant.aggregation == "fixed_length" and fixed_length is None:
+        raise ValueError(
+            f"loss variant {cfg.variant!r} needs LossConfig.max_completion_length (an MMGRPOConfig "
+            "sets it to max_completion_tokens)"
+        )
     mask = mask.astype(bool)
-    if trajectory_ids is not None:
-        mask = mask & (trajectory_ids >= 0)[:, None]  # padding rows are out of every sum
+    if unit_ids is not None:
+        mask = mask & (unit_ids >= 0)[:, None]  # padding rows are out of every sum
     logps = jnp.where(mask, logps.astype(jnp.float32), 0.0)
     old_logps = jax.lax.stop_gradient(jnp.where(mask, old_logps.astype(jnp.float32), 0.0))
     log_ratio = jnp.where(mask, logps - old_logps, 0.0)
     adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))[:, None]  # [B, 1]
 
-    terms = variant.token_terms(cfg, logps, log_ratio, adv, mask)
+    terms = variant.token_terms(cfg, TokenInputs(logps, old_logps, log_ratio, adv, mask, batch))
     per_token = terms.loss
     kl = jnp.zeros_like(per_token)
     if ref_logps is not None:
@@ -189,11 +232,11 @@ def policy_loss(
     per_token = jnp.where(mask, per_token, 0.0)
 
     row_sum, row_tokens = per_token.sum(-1), mask.sum(-1).astype(jnp.float32)  # [B]
-    if trajectory_ids is None:
+    if unit_ids is None:
         seq_sum, seq_tokens, present = row_sum, row_tokens, row_sum.shape[0]
     else:
         b = row_sum.shape[0]
-        segment = jnp.where(trajectory_ids >= 0, trajectory_ids, b)
+        segment = jnp.where(unit_ids >= 0, unit_ids, b)
         seq_sum = jax.ops.segment_sum(row_sum, segment, num_segments=b + 1)[:b]
         seq_tokens = jax.ops.segment_sum(row_tokens, segment, num_segments=b + 1)[:b]
         rows_per_seq = jax.ops.segment_sum(jnp.ones_like(row_sum), segment, num_segments=b + 1)
@@ -208,7 +251,7 @@ def policy_loss(
     elif variant.aggregation == "token_mean_local":
         loss = row_sum.sum() / jnp.maximum(row_tokens.sum(), 1) / num_micro_batches
     else:  # fixed_length (dr_grpo)
-        loss = row_sum.sum() / (sequences * cfg.max_completion_length)
+        loss = row_sum.sum() / (sequences * fixed_length)
 
     metrics = {
         "clip_low_fraction": _masked_mean(terms.clipped_low.astype(jnp.float32), mask),

@@ -8,14 +8,13 @@ counted in `summarize` and logged. Nothing is dropped: every (example, rollout) 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import numbers
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -23,26 +22,10 @@ from mmgrpo_jax.program.adapter import ParseError
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM, BatchingLM
 from mmgrpo_jax.program.module import Module
-from mmgrpo_jax.program.trace import CallRecord, record_trace
+from mmgrpo_jax.program.trace import record_trace
+from mmgrpo_jax.rl.types import Metric, Status, Trajectory
 
 logger = logging.getLogger(__name__)
-
-Status = Literal["ok", "format_failure", "error"]
-Metric = Callable[[Example, Any], float | bool]
-
-
-@dataclasses.dataclass(frozen=True)
-class Trajectory:
-    """One run of the program on one example: its calls, reward and how it ended."""
-
-    example_index: int
-    rollout_index: int
-    calls: tuple[CallRecord, ...]
-    reward: float
-    status: Status
-    error: str | None = None
-    prediction: Any = None
-
 
 def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"

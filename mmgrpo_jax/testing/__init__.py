@@ -1,61 +1,6 @@
-"""Test helpers shared by the suite and the demo: a scripted LM with optional byte-level tokens."""
+"""Helpers shared by the tests, the demo and the experiments: scripted LMs and tiny policies."""
 
-from __future__ import annotations
+from mmgrpo_jax.testing.scripted import ScriptedLM
+from mmgrpo_jax.testing.tiny import tiny_decoder, word_policy
 
-import threading
-from collections.abc import Callable, Sequence
-from typing import Any
-
-from mmgrpo_jax.program.lm import LMOutput
-
-Messages = Sequence[dict[str, str]]
-
-
-class ScriptedLM:
-    """An LM whose completions come from `respond(messages)`; thread-safe.
-
-    With `token_ids=True` it also returns UTF-8 bytes as token ids (prompt: the message contents
-    joined) and a fixed log-prob per token, so traces look like a real policy's.
-    """
-
-    def __init__(
-        self,
-        respond: Callable[[Messages], str],
-        *,
-        token_ids: bool = False,
-        logprob: float = -0.5,
-    ) -> None:
-        self.respond = respond
-        self.token_ids = token_ids
-        self.logprob = logprob
-        self.calls: list[tuple[tuple[dict[str, str], ...], dict[str, Any]]] = []
-        self._lock = threading.Lock()
-
-    @classmethod
-    def from_replies(cls, replies: Sequence[str], **kwargs: Any) -> ScriptedLM:
-        """Replies handed out in call order; running out is an error, not a silent repeat."""
-        queue = list(replies)
-        lock = threading.Lock()
-
-        def respond(messages: Messages) -> str:
-            with lock:
-                if not queue:
-                    raise RuntimeError(f"ScriptedLM ran out of its {len(replies)} replies")
-                return queue.pop(0)
-
-        return cls(respond, **kwargs)
-
-    def __call__(self, messages: Messages, **sampling: Any) -> LMOutput:
-        with self._lock:
-            self.calls.append((tuple(dict(m) for m in messages), dict(sampling)))
-        text = self.respond(messages)
-        if not self.token_ids:
-            return LMOutput(text)
-        prompt = "\n".join(m["content"] for m in messages).encode()
-        completion = tuple(text.encode())
-        return LMOutput(
-            text,
-            prompt_ids=tuple(prompt),
-            completion_ids=completion,
-            logprobs=(self.logprob,) * len(completion),
-        )
+__all__ = ["ScriptedLM", "tiny_decoder", "word_policy"]

@@ -1,0 +1,1 @@
+"""The mmGRPO loop, its configuration, checkpoints and run logs."""

@@ -1,16 +1,19 @@
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from mmgrpo_jax.engines.jax_engine import JaxLM, Sampling
+from mmgrpo_jax.engines.base import Request, RolloutEngine, Sampling
+from mmgrpo_jax.engines.jax_engine import JaxEngine
+from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.program import Example, Predict, record_trace
 from mmgrpo_jax.rl.rollout import run_rollouts
 from mmgrpo_jax.sampling import generate
-from models.config import ModelConfig
-from models.decoder import Decoder
+from mmgrpo_jax.testing import tiny_decoder
+from models.lora import LoRAConfig
 from models.tokenizer import chat_prompt_ids, train_bpe_tokenizer
 
 MESSAGES = [{"role": "system", "content": "Answer."}, {"role": "user", "content": "Which hop?"}]
@@ -24,14 +27,13 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    cfg = ModelConfig("llama", len(tokenizer), 64, 128, 2, 4, 2, 16, 1e-5, 1e4)
-    return Decoder(cfg, rngs=nnx.Rngs(0))
+    return tiny_decoder(len(tokenizer), hidden_size=64, num_layers=2)
 
 
 def make_lm(model, tokenizer, **kwargs):
     settings = {"sampling": Sampling(max_new_tokens=6, temperature=0.0), "max_wait_s": 5.0}
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    return JaxLM(model, tokenizer, stop_token_ids=stop, **{**settings, **kwargs})
+    return EngineLM.local(model, tokenizer, stop_token_ids=stop, **{**settings, **kwargs})
 
 
 def test_a_call_equals_the_sampler_on_the_chat_prompt(model, tokenizer):
@@ -39,8 +41,9 @@ def test_a_call_equals_the_sampler_on_the_chat_prompt(model, tokenizer):
     out = lm(MESSAGES)
     prompt = chat_prompt_ids(tokenizer, MESSAGES)
     [want] = generate(
-        model, [prompt], max_new_tokens=6, temperature=0, eos_token_ids=lm.stop_token_ids
+        model, [prompt], max_new_tokens=6, temperature=0, eos_token_ids=lm.engine.stop_token_ids
     )
+    assert isinstance(lm.engine, RolloutEngine)
     assert out.prompt_ids == tuple(prompt)
     assert out.completion_ids == tuple(want.token_ids)
     assert out.logprobs == pytest.approx(want.logprobs)
@@ -103,21 +106,67 @@ def test_bad_requests_fail_in_the_caller_without_hanging(model, tokenizer):
         lm(MESSAGES)
 
 
-def test_weights_updated_in_place_reach_the_next_call(model, tokenizer):
+def test_update_weights_reaches_the_next_call_and_the_model_is_never_read(model, tokenizer):
     lm = make_lm(model, tokenizer, max_wait_s=0.01)
     before = lm(MESSAGES)
     head = model.lm_head.kernel
     saved = head[...]
-    head[...] = jnp.zeros_like(saved)  # flat logits: greedy picks token 0 at log(1/V)
+    head[...] = jnp.zeros_like(saved)  # mutating the model does not reach the engine
     try:
-        after = lm(MESSAGES)
+        untouched = lm(MESSAGES)
+        # a copy: the state's variables are the model's own (flat logits: greedy picks 0)
+        flat = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
     finally:
         head[...] = saved
+    lm.engine.update_weights(flat)
+    after = lm(MESSAGES)
+    assert untouched.completion_ids == before.completion_ids
     assert before.completion_ids[0] != 0
     assert after.completion_ids[0] == 0
     assert after.logprobs[0] == pytest.approx(-np.log(len(tokenizer)), rel=1e-5)
-    assert jnp.array_equal(model.lm_head.kernel[...], saved)
+    lm.engine.update_weights(nnx.state(model, nnx.Param))  # and back
+    assert lm(MESSAGES).completion_ids == before.completion_ids
     lm.close()
+
+
+def test_update_weights_names_the_first_mismatch(tokenizer):
+    model = tiny_decoder(len(tokenizer), lora=LoRAConfig(rank=2), seed=1)
+    engine = JaxEngine(model, stop_token_ids=[0])  # with an adapter: the LoRA params update
+    lora = nnx.state(model, nnx.LoRAParam)
+    try:
+        engine.update_weights(lora)  # the right tree passes
+        wrong_shape = jax.tree.map(lambda x: x, lora)
+        path = ("layers", 0, "mlp", "down_proj", "lora_a")
+        flat = dict(nnx.to_flat_state(wrong_shape))
+        flat[path].set_value(jnp.zeros((3, 3), flat[path].get_value().dtype))
+        with pytest.raises(ValueError, match=r"'layers.0.mlp.down_proj.lora_a' has shape \(3, 3\)"):
+            engine.update_weights(nnx.from_flat_state(flat))
+        half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), lora)
+        with pytest.raises(ValueError, match="has dtype bfloat16, the engine's has float32"):
+            engine.update_weights(half)
+        with pytest.raises(ValueError, match="missing parameter 'layers.0.mlp.down_proj.lora_a'"):
+            engine.update_weights(nnx.state(model, nnx.All(nnx.LoRAParam, nnx.PathContains("q_proj"))))
+        with pytest.raises(ValueError, match="unexpected parameter 'embed"):
+            engine.update_weights(nnx.state(model, nnx.Param))
+    finally:
+        engine.close()
+
+
+def test_engine_state_round_trips_the_sampling_counter(model, tokenizer):
+    engine = JaxEngine(model, stop_token_ids=[0], max_wait_s=0.01)
+    try:
+        request = Request((1, 2, 3), Sampling(3, temperature=1.0))
+        first = engine.submit(request).result()
+        saved = engine.state_dict()
+        second = engine.submit(request).result()
+        engine.load_state_dict(saved)
+        assert engine.submit(request).result() == second  # the same stream again
+        assert saved == {"sampled_dispatches": 1}
+        engine.submit(Request((1, 2, 3), Sampling(3, temperature=0.0))).result()
+        assert engine.state_dict() == {"sampled_dispatches": 2}  # greedy calls draw nothing
+        assert first != second or first.token_ids == second.token_ids
+    finally:
+        engine.close()
 
 
 def test_trace_records_what_the_policy_sampled(model, tokenizer):

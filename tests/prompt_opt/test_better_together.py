@@ -1,17 +1,15 @@
 import pytest
-from flax import nnx
-
-from mmgrpo_jax.engines.jax_engine import JaxLM, Sampling
-from mmgrpo_jax.trainer.mmgrpo import MMGRPO, MMGRPOConfig, OptimConfig, evaluate
+from mmgrpo_jax.engines.base import Sampling
+from mmgrpo_jax.engines.jax_engine import JaxEngine
+from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.program import Example, Module, Predict
 from mmgrpo_jax.program.adapter import format_outputs
 from mmgrpo_jax.prompt_opt.better_together import BetterTogether, parse_strategy
 from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
 from mmgrpo_jax.prompt_opt.proposer import PROPOSE, SUMMARIZE
-from mmgrpo_jax.testing import ScriptedLM
-from models.config import ModelConfig
-from models.decoder import Decoder
-from models.tokenizer import build_word_tokenizer
+from mmgrpo_jax.testing import ScriptedLM, word_policy
+from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, evaluate
 from programs import synthetic
 
 
@@ -72,15 +70,14 @@ def test_best_stage_wins_earliest_on_ties_and_its_weights_come_back():
 
 
 def test_p_then_w_on_the_two_door_program_keeps_the_prompts_byte_identical(tmp_path):
-    tokenizer = build_word_tokenizer([*synthetic.SIGN_WORDS, *synthetic.DOORS])
-    cfg = ModelConfig("llama", len(tokenizer), 32, 64, 1, 4, 2, 8, 1e-5, 1e4)
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    model, tokenizer = word_policy([*synthetic.SIGN_WORDS, *synthetic.DOORS], num_layers=1)
     stop = [tokenizer.eos_token_id]
     train = synthetic.two_door_examples(repeats=2)
     val = synthetic.two_door_examples()
-    sampling = Sampling(1, temperature=1.0)
-    lm = JaxLM(model, tokenizer, sampling=sampling, stop_token_ids=stop, max_wait_s=1.0)
-    greedy = JaxLM(model, tokenizer, sampling=Sampling(1, temperature=0.0), stop_token_ids=stop)
+    # one engine: mmGRPO pushes its updates into it, so the greedy scores see the trained weights
+    engine = JaxEngine(model, stop_token_ids=stop, max_wait_s=1.0)
+    lm = EngineLM(engine, tokenizer, sampling=Sampling(1, temperature=1.0))
+    greedy = EngineLM(engine, tokenizer, sampling=Sampling(1, temperature=0.0))
 
     def prompt_lm_reply(messages):
         if "[[ ## examples ## ]]" in messages[-1]["content"]:
@@ -101,17 +98,17 @@ def test_p_then_w_on_the_two_door_program_keeps_the_prompts_byte_identical(tmp_p
             num_rollouts=4,
             examples_per_step=4,
             num_steps=2,
-            max_completion_tokens=1,
+            sampler=SamplerConfig(max_completion_tokens=1, max_wait_s=1.0),
             train="full",
             optim=OptimConfig(lr=1e-2, micro_batch_size=64),
             eval_every=100,
             run_dir=str(tmp_path / "w"),
             progress=False,
-            sampler_max_wait_s=1.0,
         ),
         model=model,
         tokenizer=tokenizer,
         stop_token_ids=stop,
+        engine=engine,
     )
 
     def score(program, valset):
@@ -121,8 +118,7 @@ def test_p_then_w_on_the_two_door_program_keeps_the_prompts_byte_identical(tmp_p
     try:
         best = together.compile(synthetic.TwoDoors(), train, val, strategy="p -> w")
     finally:
-        lm.close()
-        greedy.close()
+        engine.close()
     start, p, w = together.stages
     assert (start.name, p.name, w.name) == ("start", "p", "w")
     assert repr(p.prompt_state) == repr(w.prompt_state)  # the weight stage left prompts alone

@@ -9,7 +9,7 @@ from mmgrpo_jax.rl.grouping import (
     trajectory_level_groups,
 )
 from mmgrpo_jax.program import CallRecord
-from mmgrpo_jax.rl.rollout import Trajectory
+from mmgrpo_jax.rl.types import Trajectory
 
 REWARDS = [1.0, 0.0, 0.5, 0.25]
 B_CALLS = [1, 2, 3, 0]  # module B's call count in rollouts 0..3

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mmgrpo_jax.rl.losses import LossConfig
-from mmgrpo_jax.trainer.mmgrpo import MMGRPO, MMGRPOConfig, OptimConfig, examples_for_step
 from mmgrpo_jax.program import Example, Module, Predict
-from models.config import ModelConfig
-from models.decoder import Decoder
+from mmgrpo_jax.rl.losses import LossConfig
+from mmgrpo_jax.testing import tiny_decoder
+from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, examples_for_step
 from models.lora import LoRAConfig
 from models.tokenizer import train_bpe_tokenizer
 
@@ -38,8 +38,7 @@ def tokenizer():
 
 
 def new_model(tokenizer, seed=0):
-    cfg = ModelConfig("llama", len(tokenizer), 32, 64, 1, 4, 2, 8, 1e-5, 1e4)
-    return Decoder(cfg, lora=LoRAConfig(rank=2, alpha=4.0), rngs=nnx.Rngs(seed))
+    return tiny_decoder(len(tokenizer), lora=LoRAConfig(rank=2, alpha=4.0), seed=seed)
 
 
 def config(tmp_path, **overrides):
@@ -47,13 +46,13 @@ def config(tmp_path, **overrides):
         "num_rollouts": 3,
         "examples_per_step": 2,
         "num_steps": 2,
-        "max_completion_tokens": 4,
+        # batches close when every rollout waits, never by timer
+        "sampler": SamplerConfig(max_completion_tokens=4, max_wait_s=10.0),
         "optim": OptimConfig(lr=5e-2, micro_batch_size=8, decay="linear"),
         "eval_every": 1,
         "checkpoint_every": 1,
         "run_dir": str(tmp_path / "run"),
         "progress": False,
-        "sampler_max_wait_s": 10.0,  # batches close when every rollout waits, never by timer
     }
     return MMGRPOConfig(**{**base, **overrides})
 
@@ -173,9 +172,9 @@ def test_examples_for_step_is_a_pure_epoch_permutation():
     ("overrides", "message"),
     [
         ({"num_rollouts": 1}, "num_rollouts must be >= 2"),
-        ({"grouping": "call"}, "grouping must be 'module' or 'trajectory'"),
+        ({"grouping": "call"}, r"grouping must be a registered rule \(\['module', 'trajectory'"),
         ({"train": "partial"}, "train must be 'lora' or 'full'"),
-        ({"temperature": 0.0}, "temperature must be > 0"),
+        ({"num_iterations": 0}, "num_iterations must be >= 1, got 0"),
     ],
 )
 def test_bad_configs_fail_before_compute(tmp_path, overrides, message):

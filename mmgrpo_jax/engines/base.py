@@ -1,0 +1,128 @@
+"""The rollout-engine protocol: what the trainer needs from any sampler (DESIGN section 10).
+
+A rollout's LM calls become `Request`s; an engine answers each with the sampled ids, their
+log-probs and a finish reason. After every update the trainer hands the engine the new trainable
+parameters with `update_weights`, which must validate them (tree structure, shapes, dtypes) and
+raise naming the first mismatch; the engine never reads a model the trainer mutates. `state_dict`
+/ `load_state_dict` carry what an exact resume needs (a sampling counter, say). The JAX engine is
+one implementation; a wrapper around vLLM or SGLang serving the LoRA adapter would be another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from mmgrpo_jax.sampling import Completion
+
+__all__ = [
+    "Completion",
+    "EngineStats",
+    "Request",
+    "RolloutEngine",
+    "Sampling",
+    "check_weights",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Per-request sampling settings; temperature 0 is greedy."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    prompt_ids: tuple[int, ...]
+    sampling: Sampling
+    order: tuple[int, ...] | None = None  # (example, rollout, call) inside a rollout
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """How full the sampler calls were: the number behind 'keep the sampler busy'."""
+
+    dispatches: int = 0
+    requests: int = 0
+    max_batch: int = 1
+
+    @property
+    def mean_batch(self) -> float:
+        return self.requests / self.dispatches if self.dispatches else 0.0
+
+    @property
+    def occupancy(self) -> float:
+        return self.mean_batch / self.max_batch
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    def submit(self, request: Request) -> Future[Completion]:
+        """Queue one request; the future holds its completion (or the sampler's exception)."""
+        ...
+
+    def update_weights(self, params: nnx.State) -> None:
+        """Sample from `params` (the trainable part) from now on; validated, then copied."""
+        ...
+
+    @property
+    def stats(self) -> EngineStats: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state that an exact resume restores."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def open_client(self) -> None:
+        """A caller (a running rollout) may send requests: a batcher waits for it."""
+        ...
+
+    def close_client(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def check_weights(current: nnx.State, new: nnx.State) -> None:
+    """Raise a ValueError naming the first path whose presence, shape or dtype differs."""
+    have = dict(nnx.to_flat_state(current))
+    got = dict(nnx.to_flat_state(new))
+
+    def name(path: tuple) -> str:
+        return ".".join(str(p) for p in path)
+
+    for path in sorted(set(have) | set(got), key=name):
+        if path not in got:
+            raise ValueError(f"update_weights: missing parameter {name(path)!r}")
+        if path not in have:
+            raise ValueError(f"update_weights: unexpected parameter {name(path)!r}")
+        if type(have[path]) is not type(got[path]) and not isinstance(got[path], jax.Array):
+            raise ValueError(
+                f"update_weights: {name(path)!r} is a {type(got[path]).__name__}, the engine's is "
+                f"a {type(have[path]).__name__}"
+            )
+        want, value = _array(have[path]), _array(got[path])
+        if want.shape != value.shape:
+            raise ValueError(
+                f"update_weights: {name(path)!r} has shape {tuple(value.shape)}, the engine's has "
+                f"{tuple(want.shape)}"
+            )
+        if want.dtype != value.dtype:
+            raise ValueError(
+                f"update_weights: {name(path)!r} has dtype {value.dtype}, the engine's has "
+                f"{want.dtype}"
+            )
+
+
+def _array(leaf: Any) -> jax.Array | np.ndarray:
+    return leaf.get_value() if hasattr(leaf, "get_value") else leaf

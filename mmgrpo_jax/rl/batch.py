@@ -1,0 +1,170 @@
+"""Training rows from groups, and the one `Batch` pytree the jitted step scans (DESIGN 3-4).
+
+A row is one (prompt, completion) pair from a trace: the exact sampled token ids, never text
+re-rendered from parsed fields. Every row carries a unit id: the sequence it belongs to in the
+loss's sequence-level aggregations (its own, or its group member's with a "trajectory" grouping
+rule). Rows are right-padded into [M, b, L] micro-batches whose length L is bucketed; a unit
+never spans two micro-batches; the loss mask covers completion targets only. A new per-token
+input for a loss is one field of `Batch`, filled in `pack_rows` and read by name in the loss
+(`TokenInputs.batch`). Shapes: M micro-batches, b rows each, L tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mmgrpo_jax.rl.grouping import Group, Unit
+from mmgrpo_jax.sampling import MIN_LENGTH_BUCKET
+from mmgrpo_jax.shapes import bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    advantage: float
+    unit: int = -1  # rows sharing a unit id >= 0 are one sequence of the loss; -1: its own
+    sampler_logprobs: tuple[float, ...] | None = None
+    in_loss: bool = True  # False: a truncated completion kept only as a fully masked row
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("a training row needs at least one prompt token")
+
+
+def rows_from_groups(
+    groups: Sequence[Group],
+    advantages: Sequence[np.ndarray],
+    *,
+    unit: Unit = "row",
+    mask_truncated_completions: bool = False,
+) -> list[Row]:
+    """One row per (member, call): the exact sampled ids, the member's advantage.
+
+    With `unit="trajectory"` every group member is one unit with its own id, so a member that
+    padding or select-K repeated counts twice, as TRL trains a repeated completion twice; with
+    `unit="row"` every row is its own unit.
+    """
+    rows: list[Row] = []
+    members = 0
+    for group, group_advantages in zip(groups, advantages, strict=True):
+        for member, advantage in zip(group.members, group_advantages, strict=True):
+            member_unit = members
+            members += 1
+            for call in member.calls:
+                if call.prompt_ids is None or call.completion_ids is None:
+                    raise ValueError(
+                        f"call {call.predictor}[{call.invocation}] has no token ids; train with an "
+                        "LM that returns them (an engines.EngineLM)"
+                    )
+                if not call.completion_ids:
+                    continue  # nothing was generated: no token to train
+                truncated = call.finish_reason == "length"
+                rows.append(
+                    Row(
+                        call.prompt_ids,
+                        call.completion_ids,
+                        float(advantage),
+                        member_unit if unit == "trajectory" else len(rows),
+                        call.logprobs,
+                        in_loss=not (mask_truncated_completions and truncated),
+                    )
+                )
+    return rows
+
+
+@flax.struct.dataclass
+class Batch:
+    """Every array of a step's update, leading axis M (one entry per micro-batch)."""
+
+    tokens: jax.Array  # [M, b, L]
+    valid: jax.Array  # [M, b, L] real tokens (prompt and completion)
+    loss_mask: jax.Array  # [M, b, L-1] targets that are completion tokens
+    advantages: jax.Array  # [M, b]
+    unit_ids: jax.Array  # [M, b] unit of each row, renumbered per micro-batch; -1 = padding
+    sampler_logps: jax.Array  # [M, b, L-1] the sampler's log-probs of the targets, 0 elsewhere
+    has_sampler_logps: jax.Array  # [M, b] rows whose LM returned log-probs
+    num_sequences: jax.Array  # [M] units in the whole step (the same in every entry)
+    num_tokens: jax.Array  # [M] completion tokens in the whole step (the same in every entry)
+    old_logps: jax.Array | None = None  # [M, b, L-1] before the step's first update
+
+
+def _units(rows: Sequence[Row]) -> list[list[int]]:
+    """Row indices per unit in first-appearance order; a row without a unit id is its own."""
+    by_unit: dict[tuple[bool, int], list[int]] = {}
+    for k, row in enumerate(rows):
+        key = (True, row.unit) if row.unit >= 0 else (False, k)
+        by_unit.setdefault(key, []).append(k)
+    return list(by_unit.values())
+
+
+def micro_batch_layout(rows: Sequence[Row], micro_batch_size: int) -> list[list[int]]:
+    """Row indices of each micro-batch.
+
+    A unit's rows must share a micro-batch (the loss normalises by the unit's total tokens), so
+    rows are laid out unit by unit and a micro-batch is closed before a unit that would not fit;
+    a unit larger than the micro-batch is an error.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if not rows:
+        raise ValueError("no rows to pack")
+    chunks: list[list[int]] = [[]]
+    for members in _units(rows):
+        if len(members) > micro_batch_size:
+            raise ValueError(
+                f"unit {rows[members[0]].unit} (a trajectory) has {len(members)} rows, more than "
+                f"micro_batch_size={micro_batch_size}; raise it"
+            )
+        if len(chunks[-1]) + len(members) > micro_batch_size:
+            chunks.append([])
+        chunks[-1] += members
+    return chunks
+
+
+def pack_rows(rows: Sequence[Row], micro_batch_size: int) -> Batch:
+    """Right-padded micro-batches laid out by `micro_batch_layout`; unit ids renumbered."""
+    layout = micro_batch_layout(rows, micro_batch_size)
+    longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+    length = bucket(longest, MIN_LENGTH_BUCKET)
+    shape = (len(layout), micro_batch_size)
+    tokens = np.zeros((*shape, length), np.int32)
+    valid = np.zeros((*shape, length), bool)
+    loss_mask = np.zeros((*shape, length - 1), bool)
+    sampler_logps = np.zeros((*shape, length - 1), np.float32)
+    has_sampler_logps = np.zeros(shape, bool)
+    advantages = np.zeros(shape, np.float32)
+    unit_ids = np.full(shape, -1, np.int32)
+    for m, chunk in enumerate(layout):
+        local: dict[tuple[bool, int], int] = {}
+        for i, k in enumerate(chunk):
+            row = rows[k]
+            p, c = len(row.prompt_ids), len(row.completion_ids)
+            tokens[m, i, : p + c] = row.prompt_ids + row.completion_ids
+            valid[m, i, : p + c] = True
+            loss_mask[m, i, p - 1 : p + c - 1] = row.in_loss  # logits at t predict token t + 1
+            if row.sampler_logprobs is not None:
+                sampler_logps[m, i, p - 1 : p + c - 1] = row.sampler_logprobs
+                has_sampler_logps[m, i] = True
+            advantages[m, i] = row.advantage
+            key = (True, row.unit) if row.unit >= 0 else (False, k)
+            unit_ids[m, i] = local.setdefault(key, len(local))
+    units = len(_units(rows))
+    completion_tokens = sum(len(r.completion_ids) for r in rows if r.in_loss)
+    return Batch(
+        tokens=jnp.asarray(tokens),
+        valid=jnp.asarray(valid),
+        loss_mask=jnp.asarray(loss_mask),
+        advantages=jnp.asarray(advantages),
+        unit_ids=jnp.asarray(unit_ids),
+        sampler_logps=jnp.asarray(sampler_logps),
+        has_sampler_logps=jnp.asarray(has_sampler_logps),
+        num_sequences=jnp.full(shape[:1], units, jnp.float32),
+        num_tokens=jnp.full(shape[:1], completion_tokens, jnp.float32),
+    )

@@ -1,0 +1,156 @@
+"""mmGRPO's configuration: one frozen dataclass per concern, validated where it is built.
+
+`MMGRPOConfig` holds the run (grouping, rollouts, steps, cadence, paths) and one section per
+concern: `loss` (rl.losses.LossConfig), `optim`, `sampler`, `lora`. YAML files and `key=value`
+overrides address sections with dotted keys (`sampler.temperature=0.7`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+import optax
+
+from mmgrpo_jax.rl.advantages import SCALES
+from mmgrpo_jax.rl.grouping import ALIGN_MODES, grouping_rule
+from mmgrpo_jax.rl.losses import LossConfig
+from models.lora import LoRAConfig
+
+
+def _bad(owner: object, field: str, rule: str) -> ValueError:
+    return ValueError(f"{type(owner).__name__}.{field} {rule}, got {getattr(owner, field)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with warmup, an optional decay to zero, and global-norm clipping."""
+
+    lr: float = 1e-5
+    warmup_steps: int = 0
+    decay: Literal["constant", "linear", "cosine"] = "constant"
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise _bad(self, "lr", "must be > 0")
+        if self.warmup_steps < 0:
+            raise _bad(self, "warmup_steps", "must be >= 0")
+        if self.decay not in ("constant", "linear", "cosine"):
+            raise _bad(self, "decay", "must be constant, linear or cosine")
+        if self.micro_batch_size < 1:
+            raise _bad(self, "micro_batch_size", "must be >= 1")
+        if not self.max_grad_norm > 0:
+            raise _bad(self, "max_grad_norm", "must be > 0")
+
+    def schedule(self, num_steps: int) -> optax.Schedule:
+        after = max(num_steps - self.warmup_steps, 1)
+        end = 0.0 if self.decay != "constant" else self.lr
+        if self.decay == "cosine":
+            main = optax.cosine_decay_schedule(self.lr, after)
+        else:
+            main = optax.linear_schedule(self.lr, end, after)
+        if self.warmup_steps == 0:
+            return main
+        warmup = optax.linear_schedule(0.0, self.lr, self.warmup_steps)
+        return optax.join_schedules([warmup, main], [self.warmup_steps])
+
+    def build(self, num_steps: int) -> optax.GradientTransformation:
+        return optax.chain(
+            optax.clip_by_global_norm(self.max_grad_norm),
+            optax.adamw(self.schedule(num_steps), weight_decay=self.weight_decay),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """How rollouts sample; the trainer's log-probs use the same temperature."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_prompt_tokens: int | None = None
+    max_completion_tokens: int = 256
+    batch: int = 64  # most requests in one sampler call
+    max_wait_s: float = 0.05  # a batch closes early once its oldest request waited this long
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise _bad(self, "temperature", "must be > 0 (sampling and training share it)")
+        if not 0 < self.top_p <= 1:
+            raise _bad(self, "top_p", "must be in (0, 1]")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise _bad(self, "max_prompt_tokens", "must be >= 1 or null")
+        if self.max_completion_tokens < 1:
+            raise _bad(self, "max_completion_tokens", "must be >= 1")
+        if self.batch < 1:
+            raise _bad(self, "batch", "must be >= 1")
+        if not self.max_wait_s > 0:
+            raise _bad(self, "max_wait_s", "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class MMGRPOConfig:
+    grouping: str = "module"  # a registered grouping rule: "module", "trajectory", or yours
+    align: str = "truncate"
+    num_rollouts: int = 8
+    select_k: int | None = None
+    examples_per_step: int = 4
+    num_steps: int = 100
+    num_iterations: int = 1
+    advantage_scale: str = "group"
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
+    mask_truncated_completions: bool = False
+    failure_score: float = 0.0
+    format_failure_score: float = -1.0
+    eval_every: int = 10
+    checkpoint_every: int = 10
+    seed: int = 0
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    train: Literal["lora", "full"] = "lora"
+    model_path: str | None = None  # a local HF checkpoint, when no model is passed in
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    run_dir: str = "runs/mmgrpo"
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        try:
+            grouping_rule(self.grouping)
+        except ValueError as err:  # it lists the registered names
+            raise ValueError(f"MMGRPOConfig.{err}") from None
+        if self.align not in ALIGN_MODES:
+            raise _bad(self, "align", f"must be one of {ALIGN_MODES}")
+        if self.num_rollouts < 2:
+            raise _bad(self, "num_rollouts", "must be >= 2 (a group of one has no advantage)")
+        if self.select_k is not None and self.select_k < 2:
+            raise _bad(self, "select_k", "must be >= 2 or null")
+        for field in ("examples_per_step", "num_steps", "num_iterations", "eval_every"):
+            if getattr(self, field) < 1:
+                raise _bad(self, field, "must be >= 1")
+        if self.checkpoint_every < 1:
+            raise _bad(self, "checkpoint_every", "must be >= 1")
+        if self.advantage_scale not in SCALES:
+            raise _bad(self, "advantage_scale", f"must be one of {SCALES}")
+        if self.train not in ("lora", "full"):
+            raise _bad(self, "train", "must be 'lora' or 'full'")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise _bad(self, "dtype", "must be 'bfloat16' or 'float32'")
+        if self.model_path is not None and not Path(self.model_path).is_dir():
+            raise _bad(self, "model_path", "is not a directory (a local Hugging Face checkpoint)")
+        # dr_grpo's constant normaliser is the longest completion the sampler may return
+        length = self.loss.max_completion_length
+        if length is None:
+            limit = self.sampler.max_completion_tokens
+            loss = dataclasses.replace(self.loss, max_completion_length=limit)
+            object.__setattr__(self, "loss", loss)
+        elif length != self.sampler.max_completion_tokens:
+            raise ValueError(
+                f"MMGRPOConfig.loss.max_completion_length={length} differs from "
+                f"sampler.max_completion_tokens={self.sampler.max_completion_tokens}; leave it "
+                "unset (it follows the sampler) or make them equal"
+            )
