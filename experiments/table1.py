@@ -5,10 +5,10 @@ prompt optimization, mmGRPO and BetterTogether (MIPROv2, then mmGRPO on the froz
 This script runs the same four on one program with the same code paths as the real tasks
 (`MIPROv2`, `MMGRPO`, `BetterTogether`). Without a GPU, the program is the two-door demo
 (`programs.synthetic.TwoDoors`) and the policy the demo's tiny from-scratch decoder
-(`mmgrpo_jax.cli.demo.tiny_policy`, one fresh initialisation per seed); the prompt model is scripted:
-a seeded function of its prompt that writes instructions from the task's words (the only words
-the tiny policy's vocabulary has). The two-door task has 4 distinct inputs, so train, validation
-and test are the same 4 clues: the table measures optimization, not generalization.
+(`mmgrpo_jax.cli.demo.tiny_policy`, one fresh initialisation per seed); the prompt model is
+scripted: a seeded function of its prompt that writes instructions from the task's words (the
+only words the tiny policy's vocabulary has). The two-door task has 4 distinct inputs, so train,
+validation and test are the same 4 clues: the table measures optimization, not generalization.
 
 Writes under --out (default experiments/results/): table1.md (mean ± std over seeds and every
 seed's score), table1.csv (one row per method and seed) and table1.png (bars with seed dots),
@@ -30,7 +30,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-
 from flax import nnx
 
 from mmgrpo_jax.cli.demo import DemoConfig, mmgrpo_config, tiny_policy

@@ -45,9 +45,8 @@ class Checkpointer:
                 "run: set resume=true to continue it, or choose another run_dir"
             )
         self.resume = resume
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
-        )
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(
         self,

@@ -215,7 +215,12 @@ class MMGRPO:
 
     # -- one step ------------------------------------------------------------------------------
     def _step(
-        self, program: Module, trainset: Sequence[Example], lm: EngineLM, learner: _Learner, step: int
+        self,
+        program: Module,
+        trainset: Sequence[Example],
+        lm: EngineLM,
+        learner: _Learner,
+        step: int,
     ) -> None:
         cfg = self.config
         rule = grouping_rule(cfg.grouping)
@@ -252,7 +257,8 @@ class MMGRPO:
             seconds["train"] = time.perf_counter() - start
         else:
             logger.warning("step %d produced no training rows; skipping the update", step + 1)
-        metrics = step_metrics(trajectories, groups, advantages, update, seconds, lm.stats.occupancy)
+        occupancy = lm.stats.occupancy
+        metrics = step_metrics(trajectories, groups, advantages, update, seconds, occupancy)
         record = {"step": float(step + 1), "lr": float(cfg.optim.schedule(cfg.num_steps)(step))}
         self.log.log({**record, **metrics})
 

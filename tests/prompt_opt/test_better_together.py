@@ -1,4 +1,5 @@
 import pytest
+
 from mmgrpo_jax.engines.base import Sampling
 from mmgrpo_jax.engines.jax_engine import JaxEngine
 from mmgrpo_jax.engines.lm import EngineLM

@@ -2,13 +2,13 @@ import math
 
 import pytest
 
+from mmgrpo_jax.program import CallRecord
 from mmgrpo_jax.rl.grouping import (
     flatten_rewards,
     module_level_groups,
     select_k_diverse,
     trajectory_level_groups,
 )
-from mmgrpo_jax.program import CallRecord
 from mmgrpo_jax.rl.types import Trajectory
 
 REWARDS = [1.0, 0.0, 0.5, 0.25]
@@ -158,3 +158,34 @@ def test_flatten_rewards_numbers_groups_in_order():
     rewards, ids = flatten_rewards(groups)
     assert ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     assert rewards[4:8].tolist() == [1.0, 0.0, 0.5, 1.0]
+
+
+def test_groups_pad_to_the_configured_group_size_not_to_the_trajectories_given():
+    """DESIGN section 5: two of G=4 rollouts reached grouping; every group still has G members,
+    padded by repeating its own members in order (the DSPy cross-check's finding)."""
+    short = rollouts()[:2]  # rollouts 0 and 1: A once each, B once and twice
+    groups = module_level_groups(short, align="ragged", num_rollouts=4)
+    names = [[m.calls[0].completion for m in g.members] for g in groups]
+    assert names == [
+        ["r0A0", "r1A0", "r0A0", "r1A0"],
+        ["r0B0", "r1B0", "r0B0", "r1B0"],
+        ["r1B1", "r1B1", "r1B1", "r1B1"],
+    ]
+    [whole] = trajectory_level_groups(short, num_rollouts=4)
+    assert [m.rollout_index for m in whole.members] == [0, 1, 0, 1]
+    # without a configured size the example's own trajectories set it, as before
+    assert all(len(g.members) == 2 for g in module_level_groups(short, align="ragged"))
+    with pytest.raises(ValueError, match="num_rollouts must be >= 1 or None, got 0"):
+        module_level_groups(short, num_rollouts=0)
+
+
+def test_the_built_in_rules_are_registered_with_their_units():
+    from mmgrpo_jax.rl.grouping import GroupingSettings, grouping_rule
+
+    settings = GroupingSettings(num_rollouts=4, align="ragged")
+    assert grouping_rule("module").unit == "row"
+    assert grouping_rule("trajectory").unit == "trajectory"
+    via_rule = grouping_rule("module").group(rollouts(), settings)
+    assert via_rule == module_level_groups(rollouts(), align="ragged", num_rollouts=4)
+    with pytest.raises(ValueError, match=r"registered rule \(\['module', 'trajectory'"):
+        grouping_rule("per-call")

@@ -298,7 +298,7 @@ def test_epsilon_high_defaults_to_epsilon_without_rewriting_the_field():
 
 def test_dr_grpo_without_its_normaliser_is_an_error_at_the_loss():
     logps, old, _, adv, mask = random_batch(0)
-    with pytest.raises(ValueError, match="needs LossConfig.max_completion_length"):
+    with pytest.raises(ValueError, match=r"needs LossConfig\.max_completion_length"):
         run(LossConfig("dr_grpo"), logps, old, adv, mask)
 
 

@@ -1,4 +1,3 @@
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -7,74 +6,28 @@ import optax
 import pytest
 from flax import nnx
 
-from mmgrpo_jax.rl.advantages import advantages_for_groups
-from mmgrpo_jax.rl.grouping import module_level_groups, trajectory_level_groups
+from mmgrpo_jax.rl.batch import pack_rows, rows_from_groups
 from mmgrpo_jax.rl.losses import LossConfig, policy_loss
-from mmgrpo_jax.rl.rollout import run_rollouts
 from mmgrpo_jax.rl.step import (
-    Row,
-    TrainState,
     make_logprob_fn,
     make_train_step,
-    pack_rows,
-    rows_from_groups,
     split_for_training,
     token_logprobs,
 )
+from mmgrpo_jax.testing import tiny_decoder
 from models.config import ModelConfig
 from models.decoder import Decoder
 from models.lora import LoRAConfig
-from programs import synthetic
 from tests.models.test_lora import perturb
+from tests.rl.test_batch import make_rows, synthetic_groups, unit
 
-CFG = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, 1e-5, 1e4)
+CFG = ModelConfig.tiny(64, num_layers=2)
 TEMPERATURE = 0.8
 
 
-def make_rows(seed=0, n=7, trajectories=None):
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        prompt = rng.integers(0, 64, rng.integers(3, 9)).tolist()
-        completion = rng.integers(0, 64, rng.integers(1, 7)).tolist()
-        tid = -1 if trajectories is None else trajectories[i]
-        rows.append(Row(tuple(prompt), tuple(completion), float(rng.normal()), tid))
-    return rows
-
-
-def fresh_model():
-    return perturb(Decoder(CFG, lora=LoRAConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(0)), scale=0.1)
-
-
-def test_pack_rows_masks_completion_targets_only():
-    rows = make_rows()
-    batch = pack_rows(rows, micro_batch_size=3)
-    assert batch.tokens.shape == (3, 3, 16) and batch.loss_mask.shape == (3, 3, 15)
-    for k, row in enumerate(rows):
-        m, i = divmod(k, 3)
-        p, c = len(row.prompt_ids), len(row.completion_ids)
-        assert np.asarray(batch.tokens[m, i, : p + c]).tolist() == list(
-            row.prompt_ids + row.completion_ids
-        )
-        # the logits at position t score token t + 1: completion tokens are targets p .. p+c-1
-        assert np.flatnonzero(np.asarray(batch.loss_mask[m, i])).tolist() == list(
-            range(p - 1, p + c - 1)
-        )
-    assert not np.asarray(batch.valid[2, 1:]).any()  # padding rows are empty
-    assert float(batch.num_sequences) == 7
-    assert float(batch.num_tokens) == sum(len(r.completion_ids) for r in rows)
-
-
-def test_pack_rows_keeps_trajectories_whole():
-    rows = make_rows(trajectories=[5, 5, 9, 9, 9, 2, 7])
-    batch = pack_rows(rows, micro_batch_size=4, trajectory_level=True)
-    ids = np.asarray(batch.trajectory_ids).tolist()
-    assert ids == [[0, 0, -1, -1], [0, 0, 0, 1], [0, -1, -1, -1]]
-    assert float(batch.num_sequences) == 4
-    with pytest.raises(ValueError, match="trajectory 9 has 3 rows, more than micro_batch_size=2"):
-        pack_rows(rows, micro_batch_size=2, trajectory_level=True)
-    with pytest.raises(ValueError, match="trajectory ids >= 0"):
-        pack_rows(make_rows(), micro_batch_size=2, trajectory_level=True)
+def fresh_model(dropout=0.0):
+    lora = LoRAConfig(rank=4, alpha=8.0, dropout=dropout)
+    return perturb(Decoder(CFG, lora=lora, rngs=nnx.Rngs(0)), scale=0.1)
 
 
 @nnx.jit
@@ -84,8 +37,8 @@ def full_batch_logps(model, tokens, valid):
 
 def reference_loss(cfg, trainable, graphdef, frozen, rows, trajectory_level):
     """One micro-batch holding every row, with the default (in-batch) normalisers."""
-    one = pack_rows(rows, micro_batch_size=len(rows), trajectory_level=trajectory_level)
-    model = nnx.merge(graphdef, trainable, frozen)
+    one = pack_rows(rows, micro_batch_size=len(rows))
+    model = nnx.merge(graphdef, trainable, frozen.base)
     logps = token_logprobs(model, one.tokens[0], one.valid[0], TEMPERATURE)
     ref = token_logprobs(model, one.tokens[0], one.valid[0], TEMPERATURE, use_lora=False)
     loss, _ = policy_loss(
@@ -95,7 +48,7 @@ def reference_loss(cfg, trainable, graphdef, frozen, rows, trajectory_level):
         one.advantages[0],
         one.loss_mask[0],
         ref_logps=ref if cfg.beta > 0 else None,
-        trajectory_ids=one.trajectory_ids[0] if trajectory_level else None,
+        unit_ids=one.unit_ids[0] if trajectory_level else None,
     )
     return loss
 
@@ -127,10 +80,8 @@ def test_step_equals_the_losses_module_and_updates_lora_only(cfg, trajectory_lev
     want_loss, want_grad = jax.value_and_grad(reference_loss, argnums=1)(
         cfg, trainable, graphdef, frozen, rows, trajectory_level
     )
-    step = make_train_step(graphdef, optimizer, cfg, TEMPERATURE, trajectory_level)
-    new_state, metrics = step(
-        state, frozen, pack_rows(rows, micro_batch_size=3, trajectory_level=trajectory_level)
-    )
+    step = make_train_step(graphdef, optimizer, cfg, TEMPERATURE)
+    new_state, metrics = step(state, frozen, pack_rows(rows, micro_batch_size=3))
     np.testing.assert_allclose(float(metrics["loss"]), float(want_loss), rtol=1e-5, atol=1e-6)
     got_grad = jax.tree.map(lambda old, new: old - new, trainable, new_state.trainable)
     for (path, g), (_, w) in zip(
@@ -140,7 +91,7 @@ def test_step_equals_the_losses_module_and_updates_lora_only(cfg, trajectory_lev
             g.get_value(), w.get_value(), rtol=1e-4, atol=1e-6, err_msg=str(path)
         )
     assert float(metrics["grad_norm"]) > 0
-    updated = nnx.merge(graphdef, new_state.trainable, frozen)
+    updated = nnx.merge(graphdef, new_state.trainable, frozen.base)
     base_after = nnx.state(updated, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
     jax.tree.map(np.testing.assert_array_equal, base_before, jax.tree.map(np.asarray, base_after))
 
@@ -184,104 +135,44 @@ def test_full_mode_kl_uses_the_frozen_reference_copy():
     cfg = LossConfig("grpo", beta=0.5)
     model = Decoder(CFG, rngs=nnx.Rngs(2))
     optimizer = optax.sgd(0.0)
-    graphdef, state, frozen = split_for_training(model, optimizer, trainable=nnx.Param)
-    reference = jax.tree.map(jnp.copy, state.trainable)
+    graphdef, state, frozen = split_for_training(
+        model, optimizer, trainable=nnx.Param, frozen_reference=True
+    )
+    reference = frozen.reference
     batch = pack_rows(rows, micro_batch_size=len(rows))
     step = make_train_step(graphdef, optimizer, cfg, TEMPERATURE)
-    state, metrics = step(state, frozen, batch, reference)
+    state, metrics = step(state, frozen, batch)
     assert abs(float(metrics["kl_mean"])) < 1e-6
     moved = jax.tree.map(lambda x: x * 1.3, reference)
-    want_policy = nnx.merge(graphdef, moved, frozen)
-    want_ref = nnx.merge(graphdef, reference, frozen)
+    want_policy = nnx.merge(graphdef, moved, frozen.base)
+    want_ref = nnx.merge(graphdef, reference, frozen.base)
     logp = np.asarray(full_batch_logps(want_policy, batch.tokens[0], batch.valid[0]))
     ref = np.asarray(full_batch_logps(want_ref, batch.tokens[0], batch.valid[0]))
     mask = np.asarray(batch.loss_mask[0])
     k3 = np.exp(ref - logp) - (ref - logp) - 1
-    _, metrics = step(TrainState(moved, state.opt_state), frozen, batch, reference)
+    _, metrics = step(state.replace(trainable=moved), frozen, batch)
     assert float(metrics["kl_mean"]) > 1e-3
     np.testing.assert_allclose(float(metrics["kl_mean"]), k3[mask].mean(), rtol=1e-4)
 
 
-def test_rows_and_steps_reject_bad_input():
-    with pytest.raises(ValueError, match="at least one prompt token"):
-        Row((), (1,), 0.0)
-    with pytest.raises(ValueError, match="micro_batch_size must be >= 1, got 0"):
-        pack_rows(make_rows(), micro_batch_size=0)
-    with pytest.raises(ValueError, match="no rows"):
-        pack_rows([], micro_batch_size=2)
+def test_steps_reject_bad_input():
     graphdef, _, _ = split_for_training(fresh_model(), optax.sgd(1.0))
     with pytest.raises(ValueError, match="temperature must be > 0"):
         make_train_step(graphdef, optax.sgd(1.0), LossConfig("grpo"), 0.0)
 
 
-def synthetic_groups(trajectory_level):
-    table = synthetic.LinkTable.make(4, seed=0)
-    program = synthetic.LinkFollower(table, max_links=2)
-    examples = synthetic.make_examples(table, 2, max_links=2, seed=0)
-    lm = synthetic.noisy_policy(program, accuracy=0.6, format_error_rate=0.1, seed=2)
-    trajectories = run_rollouts(program, examples, synthetic.metric, num_rollouts=4, lm=lm)
-    groups = (trajectory_level_groups if trajectory_level else module_level_groups)(trajectories)
-    return trajectories, groups, advantages_for_groups(groups)
-
-
-@pytest.mark.parametrize("trajectory_level", [False, True])
-def test_rows_from_groups_carry_the_sampled_ids_and_advantages(trajectory_level):
-    trajectories, groups, advantages = synthetic_groups(trajectory_level)
-    rows = rows_from_groups(groups, advantages, trajectory_level=trajectory_level)
-    expected = [
-        (call, float(a), k if trajectory_level else -1)
-        for k, (member, a) in enumerate(
-            (m, a)
-            for g, adv in zip(groups, advantages, strict=True)
-            for m, a in zip(g.members, adv, strict=True)
-        )
-        for call in member.calls
-    ]
-    assert len(rows) == len(expected)
-    for row, (call, advantage, tid) in zip(rows, expected, strict=True):
-        assert row.prompt_ids == call.prompt_ids and row.completion_ids == call.completion_ids
-        assert row.advantage == advantage and row.trajectory_id == tid
-        assert row.sampler_logprobs == call.logprobs and row.in_loss
-    if trajectory_level:
-        assert len(rows) == sum(len(t.calls) for t in trajectories)
-
-
-def test_truncated_completions_can_be_masked_and_missing_ids_are_an_error():
-    _, groups, advantages = synthetic_groups(False)
-    member = groups[0].members[0]
-    truncated_call = dataclasses.replace(member.calls[0], finish_reason="length")
-    groups[0] = dataclasses.replace(
-        groups[0],
-        members=(dataclasses.replace(member, calls=(truncated_call,)), *groups[0].members[1:]),
-    )
-    rows = rows_from_groups(groups, advantages, mask_truncated_completions=True)
-    assert not rows[0].in_loss and all(r.in_loss for r in rows[1:])
-    batch = pack_rows(rows, micro_batch_size=len(rows))
-    assert not np.asarray(batch.loss_mask[0, 0]).any()
-    assert float(batch.num_tokens) == sum(len(r.completion_ids) for r in rows[1:])
-    no_ids = dataclasses.replace(truncated_call, completion_ids=None)
-    groups[0] = dataclasses.replace(
-        groups[0], members=(dataclasses.replace(member, calls=(no_ids,)), *groups[0].members[1:])
-    )
-    with pytest.raises(ValueError, match=r"start\[0\] has no token ids"):
-        rows_from_groups(groups, advantages)
-
-
 @pytest.mark.parametrize("trajectory_level", [False, True])
 def test_a_step_on_synthetic_rollouts_moves_the_lora_parameters(trajectory_level):
     _, groups, advantages = synthetic_groups(trajectory_level)
-    rows = rows_from_groups(groups, advantages, trajectory_level=trajectory_level)
-    model = Decoder(  # byte-level ids from the scripted LM: vocabulary 256
-        ModelConfig("llama", 256, 32, 64, 1, 4, 2, 8, 1e-5, 1e4),
-        lora=LoRAConfig(rank=2, alpha=4.0),
-        rngs=nnx.Rngs(0),
-    )
+    rows = rows_from_groups(groups, advantages, unit=unit(trajectory_level))
+    # byte-level ids from the scripted LM: vocabulary 256
+    model = tiny_decoder(256, lora=LoRAConfig(rank=2, alpha=4.0))
     optimizer = optax.adamw(1e-3)
     graphdef, state, frozen = split_for_training(model, optimizer)
     before = jax.tree.map(np.asarray, state.trainable)
-    step = make_train_step(graphdef, optimizer, LossConfig("grpo"), 1.0, trajectory_level)
+    step = make_train_step(graphdef, optimizer, LossConfig("grpo"), 1.0)
     micro = 64 if trajectory_level else 16
-    state, metrics = step(state, frozen, pack_rows(rows, micro, trajectory_level=trajectory_level))
+    state, metrics = step(state, frozen, pack_rows(rows, micro))
     assert np.isfinite(float(metrics["loss"])) and float(metrics["tokens"]) > 0
     assert float(metrics["ratio_mean"]) == pytest.approx(1.0)
     moved = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), before, state.trainable)
@@ -303,5 +194,34 @@ def test_old_logprobs_drive_the_ratio_across_iterations():
     assert abs(float(second["ratio_mean"]) - 1.0) > 1e-4  # the policy moved away from old
     # the frozen base weights were not donated: the model still runs on them
     assert np.isfinite(
-        np.asarray(nnx.merge(graphdef, state.trainable, frozen)(batch.tokens[0]))
+        np.asarray(nnx.merge(graphdef, state.trainable, frozen.base)(batch.tokens[0]))
     ).all()
+
+
+def gradient(model, rows, seed=0):
+    """The step's gradient (sgd(1): old - new) and the state after it."""
+    optimizer = optax.sgd(1.0)
+    graphdef, state, frozen = split_for_training(model, optimizer, seed=seed)
+    before = jax.tree.map(jnp.copy, state.trainable)
+    step = make_train_step(graphdef, optimizer, LossConfig("grpo"), TEMPERATURE)
+    new_state, _ = step(state, frozen, pack_rows(rows, micro_batch_size=4))
+    grad = jax.tree.map(lambda a, b: np.asarray(a - b), before, new_state.trainable)
+    return grad, new_state
+
+
+def test_lora_dropout_changes_the_gradient_and_zero_dropout_is_the_plain_step():
+    rows = make_rows(seed=9)
+    plain, _ = gradient(fresh_model(), rows)
+    again, _ = gradient(fresh_model(), rows, seed=5)  # the key is irrelevant without dropout
+    jax.tree.map(np.testing.assert_array_equal, plain, again)
+    dropped, state = gradient(fresh_model(dropout=0.5), rows)
+    same_key, _ = gradient(fresh_model(dropout=0.5), rows)
+    other_key, _ = gradient(fresh_model(dropout=0.5), rows, seed=1)
+    jax.tree.map(np.testing.assert_array_equal, dropped, same_key)  # reproducible per key
+
+    def differs(a, b):
+        return any(jax.tree.leaves(jax.tree.map(lambda x, y: not np.allclose(x, y), a, b)))
+
+    assert differs(plain, dropped) and differs(dropped, other_key)
+    start = jax.random.key_data(jax.random.key(0))
+    assert not np.array_equal(np.asarray(state.key), np.asarray(start))  # a fresh key per step

@@ -11,9 +11,6 @@ from mmgrpo_jax.testing import tiny_decoder
 from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
 from mmgrpo_jax.trainer.mmgrpo import MMGRPO, examples_for_step
 from models.lora import LoRAConfig
-from models.tokenizer import train_bpe_tokenizer
-
-CORPUS = ["Answer the question with a short word: amber birch cedar dune ember."] * 30
 
 
 class TwoModules(Module):
@@ -30,11 +27,6 @@ class TwoModules(Module):
 
 def reward(example, prediction):
     return float(len(prediction.answer) % 3) / 2.0  # varies across random samples
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return train_bpe_tokenizer(CORPUS, 300, "chatml")
 
 
 def new_model(tokenizer, seed=0):
@@ -73,6 +65,15 @@ def base_params(model):
     return jax.tree.map(np.asarray, nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
 
 
+# The same two steps run by the code before the architecture reshaping (commit 7ebbff2, this
+# config with eval_every=100; greedy evaluation draws no randomness): the reshaping changed no
+# number. Recorded on the 2-core development machine.
+RECORDED = {
+    "module": {"loss": [0.0, 0.002567006042227149], "grad_norm": [0.3786618, 0.02574624]},
+    "trajectory": {"loss": [0.0, 0.002545114839449525], "grad_norm": [0.4022745, 0.02542004]},
+}
+
+
 @pytest.mark.parametrize("grouping", ["module", "trajectory"])
 def test_two_steps_train_only_lora_and_log_everything(tokenizer, tmp_path, grouping):
     model = new_model(tokenizer)
@@ -89,6 +90,8 @@ def test_two_steps_train_only_lora_and_log_everything(tokenizer, tmp_path, group
     ]
     steps = [r for r in lines if "loss" in r]
     assert [r["step"] for r in steps] == [1.0, 2.0]
+    for key, want in RECORDED[grouping].items():
+        np.testing.assert_allclose([r[key] for r in steps], want, rtol=1e-4, atol=1e-9)
     assert [r["step"] for r in lines if "eval_reward" in r] == [0.0, 1.0, 2.0]
     for record in steps:
         assert record["trajectories"] == 6 and record["calls"] == 12

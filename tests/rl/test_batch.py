@@ -1,0 +1,122 @@
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mmgrpo_jax.rl.advantages import advantages_for_groups
+from mmgrpo_jax.rl.batch import Row, pack_rows, rows_from_groups
+from mmgrpo_jax.rl.grouping import module_level_groups, trajectory_level_groups
+from mmgrpo_jax.rl.rollout import run_rollouts
+from programs import synthetic
+
+
+def make_rows(seed=0, n=7, trajectories=None):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        prompt = rng.integers(0, 64, rng.integers(3, 9)).tolist()
+        completion = rng.integers(0, 64, rng.integers(1, 7)).tolist()
+        unit = -1 if trajectories is None else trajectories[i]
+        logprobs = tuple(rng.uniform(-3, 0, len(completion)).tolist())
+        rows.append(Row(tuple(prompt), tuple(completion), float(rng.normal()), unit, logprobs))
+    return rows
+
+
+def test_pack_rows_masks_completion_targets_only_and_carries_sampler_logprobs():
+    rows = make_rows()
+    batch = pack_rows(rows, micro_batch_size=3)
+    assert batch.tokens.shape == (3, 3, 16) and batch.loss_mask.shape == (3, 3, 15)
+    for k, row in enumerate(rows):
+        m, i = divmod(k, 3)
+        p, c = len(row.prompt_ids), len(row.completion_ids)
+        assert np.asarray(batch.tokens[m, i, : p + c]).tolist() == list(
+            row.prompt_ids + row.completion_ids
+        )
+        # the logits at position t score token t + 1: completion tokens are targets p .. p+c-1
+        assert np.flatnonzero(np.asarray(batch.loss_mask[m, i])).tolist() == list(
+            range(p - 1, p + c - 1)
+        )
+        sampler = np.asarray(batch.sampler_logps[m, i])
+        np.testing.assert_allclose(sampler[p - 1 : p + c - 1], row.sampler_logprobs, rtol=1e-6)
+        assert not sampler[: p - 1].any() and not sampler[p + c - 1 :].any()
+    assert not np.asarray(batch.valid[2, 1:]).any()  # padding rows are empty
+    assert np.asarray(batch.has_sampler_logps).sum() == 7
+    assert np.asarray(batch.num_sequences).tolist() == [7, 7, 7]  # every row its own unit
+    assert np.asarray(batch.unit_ids).tolist() == [[0, 1, 2], [0, 1, 2], [0, -1, -1]]
+    assert float(batch.num_tokens[0]) == sum(len(r.completion_ids) for r in rows)
+
+
+def test_pack_rows_keeps_units_whole():
+    rows = make_rows(trajectories=[5, 5, 9, 9, 9, 2, 7])
+    batch = pack_rows(rows, micro_batch_size=4)
+    ids = np.asarray(batch.unit_ids).tolist()
+    assert ids == [[0, 0, -1, -1], [0, 0, 0, 1], [0, -1, -1, -1]]
+    assert float(batch.num_sequences[0]) == 4
+    with pytest.raises(ValueError, match=r"unit 9 .* has 3 rows, more than micro_batch_size=2"):
+        pack_rows(rows, micro_batch_size=2)
+
+
+def test_rows_reject_bad_input():
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        Row((), (1,), 0.0)
+    with pytest.raises(ValueError, match="micro_batch_size must be >= 1, got 0"):
+        pack_rows(make_rows(), micro_batch_size=0)
+    with pytest.raises(ValueError, match="no rows"):
+        pack_rows([], micro_batch_size=2)
+
+
+def synthetic_groups(trajectory_level):
+    table = synthetic.LinkTable.make(4, seed=0)
+    program = synthetic.LinkFollower(table, max_links=2)
+    examples = synthetic.make_examples(table, 2, max_links=2, seed=0)
+    lm = synthetic.noisy_policy(program, accuracy=0.6, format_error_rate=0.1, seed=2)
+    trajectories = run_rollouts(program, examples, synthetic.metric, num_rollouts=4, lm=lm)
+    groups = (trajectory_level_groups if trajectory_level else module_level_groups)(trajectories)
+    return trajectories, groups, advantages_for_groups(groups)
+
+
+def unit(trajectory_level):
+    return "trajectory" if trajectory_level else "row"
+
+
+@pytest.mark.parametrize("trajectory_level", [False, True])
+def test_rows_from_groups_carry_the_sampled_ids_and_advantages(trajectory_level):
+    trajectories, groups, advantages = synthetic_groups(trajectory_level)
+    rows = rows_from_groups(groups, advantages, unit=unit(trajectory_level))
+    expected = [
+        (call, float(a), k)
+        for k, (member, a) in enumerate(
+            (m, a)
+            for g, adv in zip(groups, advantages, strict=True)
+            for m, a in zip(g.members, adv, strict=True)
+        )
+        for call in member.calls
+    ]
+    assert len(rows) == len(expected)
+    for i, (row, (call, advantage, member)) in enumerate(zip(rows, expected, strict=True)):
+        assert row.prompt_ids == call.prompt_ids and row.completion_ids == call.completion_ids
+        assert row.advantage == advantage and row.unit == (member if trajectory_level else i)
+        assert row.sampler_logprobs == call.logprobs and row.in_loss
+    if trajectory_level:
+        assert len(rows) == sum(len(t.calls) for t in trajectories)
+
+
+def test_truncated_completions_can_be_masked_and_missing_ids_are_an_error():
+    _, groups, advantages = synthetic_groups(False)
+    member = groups[0].members[0]
+    truncated_call = dataclasses.replace(member.calls[0], finish_reason="length")
+    groups[0] = dataclasses.replace(
+        groups[0],
+        members=(dataclasses.replace(member, calls=(truncated_call,)), *groups[0].members[1:]),
+    )
+    rows = rows_from_groups(groups, advantages, mask_truncated_completions=True)
+    assert not rows[0].in_loss and all(r.in_loss for r in rows[1:])
+    batch = pack_rows(rows, micro_batch_size=len(rows))
+    assert not np.asarray(batch.loss_mask[0, 0]).any()
+    assert float(batch.num_tokens[0]) == sum(len(r.completion_ids) for r in rows[1:])
+    no_ids = dataclasses.replace(truncated_call, completion_ids=None)
+    groups[0] = dataclasses.replace(
+        groups[0], members=(dataclasses.replace(member, calls=(no_ids,)), *groups[0].members[1:])
+    )
+    with pytest.raises(ValueError, match=r"start\[0\] has no token ids"):
+        rows_from_groups(groups, advantages)

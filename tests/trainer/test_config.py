@@ -1,0 +1,37 @@
+import pytest
+
+from mmgrpo_jax.rl.losses import LossConfig
+from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
+
+
+def test_dr_grpo_normalises_by_the_samplers_completion_limit():
+    cfg = MMGRPOConfig(loss=LossConfig("dr_grpo"), sampler=SamplerConfig(max_completion_tokens=96))
+    assert cfg.loss.max_completion_length == 96
+    same = LossConfig("dr_grpo", max_completion_length=96)
+    assert MMGRPOConfig(loss=same, sampler=SamplerConfig(max_completion_tokens=96)).loss == same
+    with pytest.raises(ValueError, match=r"max_completion_length=64 differs from .*=96"):
+        MMGRPOConfig(
+            loss=LossConfig("dr_grpo", max_completion_length=64),
+            sampler=SamplerConfig(max_completion_tokens=96),
+        )
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: SamplerConfig(temperature=0.0), r"SamplerConfig.temperature must be > 0"),
+        (lambda: SamplerConfig(top_p=1.5), r"SamplerConfig.top_p must be in \(0, 1\], got 1.5"),
+        (lambda: SamplerConfig(max_prompt_tokens=0), "max_prompt_tokens must be >= 1 or null"),
+        (lambda: SamplerConfig(max_completion_tokens=0), "max_completion_tokens must be >= 1"),
+        (lambda: SamplerConfig(batch=0), "SamplerConfig.batch must be >= 1, got 0"),
+        (lambda: SamplerConfig(max_wait_s=0.0), "max_wait_s must be > 0"),
+        (lambda: OptimConfig(lr=0.0), "OptimConfig.lr must be > 0, got 0.0"),
+        (lambda: OptimConfig(decay="step"), "decay must be constant, linear or cosine"),
+        (lambda: MMGRPOConfig(align="fill"), "MMGRPOConfig.align must be one of"),
+        (lambda: MMGRPOConfig(select_k=1), "select_k must be >= 2 or null, got 1"),
+        (lambda: MMGRPOConfig(advantage_scale="rank"), "advantage_scale must be one of"),
+    ],
+)
+def test_every_section_names_its_bad_field(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
