@@ -39,7 +39,10 @@ def test_sharded_logits_and_greedy_tokens_equal_single_device(checkpoints, mesh,
     assert sharded.layers[0].mlp.down_proj.kernel[...].sharding.spec == P("tensor", "fsdp")
     ids = jax.device_put(IDS, jax.sharding.NamedSharding(mesh, P(("data", "fsdp"), None)))
     want = np.asarray(logits(single, IDS))
-    np.testing.assert_allclose(np.asarray(logits(sharded, ids)), want, rtol=1e-5, atol=1e-5)
+    # float32 reduction order differs across shards: most logits agree to ~6e-7, a few (one
+    # position of qwen2_bias, whose q/k biases sharpen attention) to ~3e-5 at logits of ~5
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(logits(sharded, ids)), want, rtol=1e-5, atol=1e-5 * scale)
     greedy = generate(single, PROMPTS, max_new_tokens=6, temperature=0)
     greedy_sharded = generate(sharded, PROMPTS, max_new_tokens=6, temperature=0, mesh=mesh)
     assert [c.token_ids for c in greedy_sharded] == [c.token_ids for c in greedy]
