@@ -25,8 +25,8 @@ from models.config import ModelConfig
 from models.decoder import Decoder
 
 PRESETS = {
-    "qwen3-8b": ModelConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 1e-6, 1e6),
-    "tiny": ModelConfig("qwen3", 1024, 128, 256, 2, 4, 2, 32, 1e-6, 1e6),
+    "qwen3-8b": ModelConfig.qwen3_8b(),
+    "tiny": ModelConfig.tiny(1024, hidden_size=128, num_layers=2, model_type="qwen3"),
 }
 
 

@@ -142,15 +142,17 @@ class MMGRPOConfig:
             raise _bad(self, "dtype", "must be 'bfloat16' or 'float32'")
         if self.model_path is not None and not Path(self.model_path).is_dir():
             raise _bad(self, "model_path", "is not a directory (a local Hugging Face checkpoint)")
-        # dr_grpo's constant normaliser is the longest completion the sampler may return
         length = self.loss.max_completion_length
-        if length is None:
-            limit = self.sampler.max_completion_tokens
-            loss = dataclasses.replace(self.loss, max_completion_length=limit)
-            object.__setattr__(self, "loss", loss)
-        elif length != self.sampler.max_completion_tokens:
+        if length is not None and length != self.sampler.max_completion_tokens:
             raise ValueError(
                 f"MMGRPOConfig.loss.max_completion_length={length} differs from "
                 f"sampler.max_completion_tokens={self.sampler.max_completion_tokens}; leave it "
                 "unset (it follows the sampler) or make them equal"
             )
+
+    @property
+    def resolved_loss(self) -> LossConfig:
+        """The loss the trainer runs: dr_grpo's constant normaliser, unless given (and then equal),
+        is the longest completion the sampler may return."""
+        limit = self.sampler.max_completion_tokens
+        return dataclasses.replace(self.loss, max_completion_length=limit)

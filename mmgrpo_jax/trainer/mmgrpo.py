@@ -297,7 +297,7 @@ class MMGRPO:
         graphdef, state, frozen = split_for_training(
             self.model, optimizer, self.trainable, seed=cfg.seed, frozen_reference=frozen_reference
         )
-        step_fn = make_train_step(graphdef, optimizer, cfg.loss, cfg.sampler.temperature)
+        step_fn = make_train_step(graphdef, optimizer, cfg.resolved_loss, cfg.sampler.temperature)
         return _Learner(state, frozen, step_fn, make_logprob_fn(graphdef, cfg.sampler.temperature))
 
     def _open_engine(self, closing: ExitStack) -> RolloutEngine:

@@ -7,13 +7,13 @@ from mmgrpo_jax import cli
 from mmgrpo_jax.cli import experiment
 from mmgrpo_jax.cli.config import load_config
 from mmgrpo_jax.rl.losses import LossConfig
-from mmgrpo_jax.trainer.mmgrpo import MMGRPOConfig, OptimConfig
+from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
 from models.lora import LoRAConfig
 from programs import retrieval, tasks
 from programs.tasks import ExternalLMConfig, TaskConfig
 from tests.tiny_checkpoint import write_tiny_checkpoint
 
-CONFIGS = Path(__file__).parents[1] / "experiments" / "configs"
+CONFIGS = Path(__file__).parents[2] / "experiments" / "configs"
 SHORT = ExternalLMConfig(max_tokens=6)
 PREDICTORS = {
     "banking77": {"classify"},
@@ -48,7 +48,7 @@ def test_one_mmgrpo_step_on_each_paper_program(checkpoint, tmp_path, name, group
             num_rollouts=2,
             examples_per_step=2,
             num_steps=1,
-            max_completion_tokens=6,
+            sampler=SamplerConfig(max_completion_tokens=6, max_wait_s=5.0),
             format_failure_score=-1.0,
             eval_every=1,
             model_path=str(checkpoint),
@@ -58,7 +58,6 @@ def test_one_mmgrpo_step_on_each_paper_program(checkpoint, tmp_path, name, group
             optim=OptimConfig(lr=1e-2, micro_batch_size=8),
             run_dir=str(tmp_path / "run"),
             progress=False,
-            sampler_max_wait_s=5.0,
         ),
         train_limit=2,
         val_limit=1,
@@ -118,7 +117,9 @@ def test_paper_configs_load_with_the_paper_setting(path, checkpoint):
     assert cfg.task.name == task and model in ("llama31_8b", "qwen3_8b")
     m = cfg.mmgrpo
     assert (m.lora.rank, m.optim.lr, m.examples_per_step, m.num_rollouts) == (16, 1e-5, 4, 12)
-    assert m.max_prompt_tokens + m.max_completion_tokens == 8192 and m.num_steps == 750
+    assert m.sampler.max_prompt_tokens + m.sampler.max_completion_tokens == 8192
+    assert m.num_steps == 750 and m.sampler.batch == 48
+    assert m.resolved_loss.max_completion_length == 2048  # dr_grpo's normaliser: the sampler's
     assert (cfg.prompt_opt.candidates, cfg.prompt_opt.valset_size) == (6, 100)  # auto light
     assert cfg.strategy == "p -> w" and cfg.prompt_lm.temperature == 1.0
     assert cfg.prompts_dir == Path(m.run_dir) / "prompts"
@@ -135,7 +136,7 @@ task: {{name: banking77}}
 mmgrpo:
   model_path: {checkpoint}
   dtype: float32
-  max_completion_tokens: 6
+  sampler: {{max_completion_tokens: 6, max_wait_s: 5.0}}
   num_rollouts: 2
   examples_per_step: 2
   num_steps: 1
@@ -144,7 +145,6 @@ mmgrpo:
   optim: {{lr: 1.0e-2, micro_batch_size: 8}}
   run_dir: {tmp_path / "run"}
   progress: false
-  sampler_max_wait_s: 5.0
 prompt_opt:
   auto: null
   num_candidates: 2

@@ -6,9 +6,11 @@ from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
 
 def test_dr_grpo_normalises_by_the_samplers_completion_limit():
     cfg = MMGRPOConfig(loss=LossConfig("dr_grpo"), sampler=SamplerConfig(max_completion_tokens=96))
-    assert cfg.loss.max_completion_length == 96
+    assert cfg.resolved_loss.max_completion_length == 96
+    assert cfg.loss.max_completion_length is None  # the config keeps what was written
     same = LossConfig("dr_grpo", max_completion_length=96)
-    assert MMGRPOConfig(loss=same, sampler=SamplerConfig(max_completion_tokens=96)).loss == same
+    resolved = MMGRPOConfig(loss=same, sampler=SamplerConfig(max_completion_tokens=96))
+    assert resolved.resolved_loss == same
     with pytest.raises(ValueError, match=r"max_completion_length=64 differs from .*=96"):
         MMGRPOConfig(
             loss=LossConfig("dr_grpo", max_completion_length=64),
