@@ -20,6 +20,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from mmgrpo_jax.program.trace import CallRecord
+from mmgrpo_jax.rl.registry import Registry
 from mmgrpo_jax.rl.types import Trajectory
 
 Align = Literal["truncate", "fill_random", "fill_last", "ragged"]
@@ -87,7 +88,7 @@ class GroupingRule:
     unit: Unit  # what the loss's sequence-level aggregations normalise by
 
 
-GROUPINGS: dict[str, GroupingRule] = {}
+GROUPINGS: Registry[GroupingRule] = Registry("grouping rule", "register_grouping")
 
 
 def register_grouping(name: str, group: GroupingFn, *, unit: Unit = "row") -> None:
@@ -97,25 +98,13 @@ def register_grouping(name: str, group: GroupingFn, *, unit: Unit = "row") -> No
     the rows of one group member are one sequence (normalised by their total tokens), as the
     trajectory-level objective does with whole trajectories (a member may hold any calls).
     """
-    if not name or not isinstance(name, str):
-        raise ValueError(f"a grouping rule needs a non-empty name, got {name!r}")
-    if name in GROUPINGS:
-        raise ValueError(f"grouping rule {name!r} is already registered")
     if unit not in UNITS:
         raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
-    if not callable(group):
-        raise TypeError(f"the grouping rule {name!r} must be callable")
-    GROUPINGS[name] = GroupingRule(group, unit)
+    GROUPINGS.add(name, group, GroupingRule(group, unit))
 
 
-def grouping_rule(name: str) -> GroupingRule:
-    try:
-        return GROUPINGS[name]
-    except KeyError:
-        raise ValueError(
-            f"grouping must be a registered rule ({sorted(GROUPINGS)}; add one with "
-            f"mmgrpo_jax.register_grouping), got {name!r}"
-        ) from None
+def grouping_rule(name: str, field: str = "grouping") -> GroupingRule:
+    return GROUPINGS.lookup(name, field)
 
 
 def _pad(members: list[GroupMember], size: int) -> list[GroupMember]:

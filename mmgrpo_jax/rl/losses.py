@@ -17,6 +17,8 @@ from typing import Any, Literal, get_args
 import jax
 import jax.numpy as jnp
 
+from mmgrpo_jax.rl.registry import Registry
+
 Aggregation = Literal["sequence_mean", "token_mean_local", "token_mean_global", "fixed_length"]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
@@ -51,7 +53,7 @@ class Variant:
     uses_delta: bool = False
 
 
-VARIANTS: dict[str, Variant] = {}  # the registry: name -> variant
+VARIANTS: Registry[Variant] = Registry("loss", "register_loss")
 
 
 def register_loss(
@@ -66,15 +68,9 @@ def register_loss(
     `token_terms(cfg, inputs)` returns the per-token loss (to minimise) and its ratio and clip
     masks for the metrics; `inputs.batch` gives any extra per-token input added to the batch.
     """
-    if not name or not isinstance(name, str):
-        raise ValueError(f"a loss variant needs a non-empty name, got {name!r}")
-    if name in VARIANTS:
-        raise ValueError(f"loss variant {name!r} is already registered")
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-    if not callable(token_terms):
-        raise TypeError(f"token_terms of loss variant {name!r} must be callable")
-    VARIANTS[name] = Variant(token_terms, aggregation, uses_delta)
+    VARIANTS.add(name, token_terms, Variant(token_terms, aggregation, uses_delta))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +96,7 @@ class LossConfig:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
     def __post_init__(self) -> None:
-        if self.variant not in VARIANTS:
-            raise ValueError(
-                f"LossConfig.variant must be a registered loss ({sorted(VARIANTS)}; add one with "
-                f"mmgrpo_jax.register_loss), got {self.variant!r}"
-            )
+        VARIANTS.lookup(self.variant, "LossConfig.variant")
         if not self.epsilon >= 0:
             raise ValueError(f"LossConfig.epsilon must be >= 0, got {self.epsilon!r}")
         if self.variant == "cispo" and (self.epsilon_high is None or self.epsilon_high < 1):

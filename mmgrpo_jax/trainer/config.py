@@ -119,10 +119,7 @@ class MMGRPOConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        try:
-            grouping_rule(self.grouping)
-        except ValueError as err:  # it lists the registered names
-            raise ValueError(f"MMGRPOConfig.{err}") from None
+        grouping_rule(self.grouping, "MMGRPOConfig.grouping")  # a miss lists the registered rules
         if self.align not in ALIGN_MODES:
             raise _bad(self, "align", f"must be one of {ALIGN_MODES}")
         if self.num_rollouts < 2:

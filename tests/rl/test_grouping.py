@@ -187,5 +187,16 @@ def test_the_built_in_rules_are_registered_with_their_units():
     assert grouping_rule("trajectory").unit == "trajectory"
     via_rule = grouping_rule("module").group(rollouts(), settings)
     assert via_rule == module_level_groups(rollouts(), align="ragged", num_rollouts=4)
-    with pytest.raises(ValueError, match=r"registered rule \(\['module', 'trajectory'"):
+    with pytest.raises(ValueError, match=r"registered grouping rule \(\['module', 'trajectory'"):
         grouping_rule("per-call")
+
+
+def test_registering_a_rule_twice_or_without_a_function_is_refused():
+    from mmgrpo_jax.rl.grouping import register_grouping
+
+    with pytest.raises(ValueError, match="grouping rule 'module' is already registered"):
+        register_grouping("module", module_level_groups)
+    with pytest.raises(TypeError, match="grouping rule 'x' must be callable"):
+        register_grouping("x", "not a function")
+    with pytest.raises(ValueError, match="a grouping rule needs a non-empty name"):
+        register_grouping("", module_level_groups)

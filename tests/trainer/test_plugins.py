@@ -69,7 +69,7 @@ def test_a_loss_registered_from_test_code_trains_a_step(tokenizer, tmp_path, reg
 def test_unknown_loss_and_grouping_names_list_the_registered_ones(registered_loss):
     with pytest.raises(ValueError, match=r"registered loss \(\[.*'is_reinforce'.*\]"):
         LossConfig("nope")
-    with pytest.raises(ValueError, match=r"MMGRPOConfig.grouping must be a registered rule"):
+    with pytest.raises(ValueError, match=r"MMGRPOConfig\.grouping must be a registered grouping"):
         mmgrpo_jax.MMGRPOConfig(grouping="nope")
     with pytest.raises(ValueError, match="aggregation must be one of"):
         mmgrpo_jax.register_loss("other", importance_weighted_reinforce, aggregation="median")
