@@ -58,6 +58,9 @@ def split_for_training(
     "full" training, which has no LoRA-off base to compare with).
     """
     graphdef, params, base = nnx.split(model, trainable, ...)
+    # The step donates the trainable buffers: copy them, so the model (and any engine split
+    # from it) keeps arrays that stay alive. LoRA parameters are small.
+    params = jax.tree.map(jnp.copy, params)
     reference = jax.tree.map(jnp.copy, params) if frozen_reference else None
     key = jax.random.key_data(jax.random.key(seed))
     state = TrainState(params, optimizer.init(params), key)

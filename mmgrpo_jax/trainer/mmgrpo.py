@@ -175,6 +175,8 @@ class MMGRPO:
             closing.callback(checkpoints.close)
             self.log = RunLogger(self.run_dir)
             learner = self._learner()
+            # the model gets the trained weights however the run ends (the engine has its own)
+            closing.callback(lambda: nnx.update(self.model, learner.state.trainable))
             engine = self._open_engine(closing)
             lm, greedy = self._lms(engine)
             done = self._resume(checkpoints, learner, engine, program)
@@ -196,7 +198,6 @@ class MMGRPO:
                 logger.warning("interrupted: writing a checkpoint at step %d before exiting", done)
                 self._save(checkpoints, done, learner, engine_state, program)
                 raise
-        nnx.update(self.model, learner.state.trainable)  # the engine kept its own copy
         if cfg.train == "lora":
             save_peft_adapter(self.model, self.run_dir / "adapter")
         self.summary = self.log.close({"steps": cfg.num_steps, "grouping": cfg.grouping})
