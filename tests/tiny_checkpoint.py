@@ -1,7 +1,7 @@
 """A tiny random Llama checkpoint with a BPE tokenizer trained on the paper tasks' own text.
 
 Training the tokenizer on the rendered prompts keeps them short (a 77-label signature is a few
-tokens), so the programs run end to end with a real JaxLM in seconds.
+tokens), so the programs run end to end with a real EngineLM in seconds.
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Literal, TextIO
 
 import jax.numpy as jnp
-from flax import nnx
 
 from mmgrpo_jax.cli.config import config_to_dict
 from mmgrpo_jax.engines.base import Sampling
@@ -143,7 +142,7 @@ class Policy:
         self.engine = JaxEngine(
             self.model,
             stop_token_ids=self.stop,
-            trainable=nnx.LoRAParam if cfg.mmgrpo.train == "lora" else nnx.Param,
+            trainable=cfg.mmgrpo.trainable,
             max_batch=sampler.batch,
             max_wait_s=sampler.max_wait_s,
             seed=cfg.mmgrpo.seed,

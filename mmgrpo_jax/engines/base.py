@@ -64,6 +64,12 @@ class EngineStats:
     def occupancy(self) -> float:
         return self.mean_batch / self.max_batch
 
+    def since(self, earlier: EngineStats) -> EngineStats:
+        """The calls made after `earlier` (a copy taken then): one step's share."""
+        return EngineStats(
+            self.dispatches - earlier.dispatches, self.requests - earlier.requests, self.max_batch
+        )
+
 
 @runtime_checkable
 class RolloutEngine(Protocol):

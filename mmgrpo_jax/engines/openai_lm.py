@@ -62,7 +62,7 @@ class OpenAICompatibleLM:
         if unknown:
             raise TypeError(f"unknown sampling arguments {unknown}; allowed: {SAMPLING_KEYS}")
         settings = {**self.defaults, **sampling}
-        if "max_new_tokens" in settings:  # the local JaxLM's name for the same limit
+        if "max_new_tokens" in settings:  # the local EngineLM's name for the same limit
             settings["max_tokens"] = settings.pop("max_new_tokens")
         payload = {"model": self.model, "messages": list(messages), **settings}
         body = fetch_json(

@@ -95,12 +95,16 @@ class Batch:
     old_logps: jax.Array | None = None  # [M, b, L-1] before the step's first update
 
 
+def _unit_key(row: Row, index: int) -> tuple[bool, int]:
+    """A row's unit: its id, or (without one) the row itself."""
+    return (True, row.unit) if row.unit >= 0 else (False, index)
+
+
 def _units(rows: Sequence[Row]) -> list[list[int]]:
-    """Row indices per unit in first-appearance order; a row without a unit id is its own."""
+    """Row indices per unit in first-appearance order."""
     by_unit: dict[tuple[bool, int], list[int]] = {}
     for k, row in enumerate(rows):
-        key = (True, row.unit) if row.unit >= 0 else (False, k)
-        by_unit.setdefault(key, []).append(k)
+        by_unit.setdefault(_unit_key(row, k), []).append(k)
     return list(by_unit.values())
 
 
@@ -153,8 +157,7 @@ def pack_rows(rows: Sequence[Row], micro_batch_size: int) -> Batch:
                 sampler_logps[m, i, p - 1 : p + c - 1] = row.sampler_logprobs
                 has_sampler_logps[m, i] = True
             advantages[m, i] = row.advantage
-            key = (True, row.unit) if row.unit >= 0 else (False, k)
-            unit_ids[m, i] = local.setdefault(key, len(local))
+            unit_ids[m, i] = local.setdefault(_unit_key(row, k), len(local))
     units = len(_units(rows))
     completion_tokens = sum(len(r.completion_ids) for r in rows if r.in_loss)
     return Batch(

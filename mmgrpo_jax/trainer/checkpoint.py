@@ -71,6 +71,14 @@ class Checkpointer:
         if step is None:
             return None
 
+        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        if "engine" not in meta.meta:  # written before the engine protocol (no dropout key either)
+            raise ValueError(
+                f"the checkpoint of step {step} in {str(self.directory)!r} was written by an "
+                "older mmgrpo-jax (no engine state, no dropout key) and cannot be resumed: "
+                "start a fresh run_dir"
+            )
+
         def abstract(tree):
             return ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, tree))
 

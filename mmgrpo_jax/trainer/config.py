@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import optax
+from flax import nnx
 
 from mmgrpo_jax.rl.advantages import SCALES
 from mmgrpo_jax.rl.grouping import ALIGN_MODES, grouping_rule
@@ -146,6 +147,11 @@ class MMGRPOConfig:
                 f"sampler.max_completion_tokens={self.sampler.max_completion_tokens}; leave it "
                 "unset (it follows the sampler) or make them equal"
             )
+
+    @property
+    def trainable(self) -> Any:
+        """The NNX filter of what training changes (and what the engine receives)."""
+        return nnx.LoRAParam if self.train == "lora" else nnx.Param
 
     @property
     def resolved_loss(self) -> LossConfig:

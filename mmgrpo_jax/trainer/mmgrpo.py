@@ -33,7 +33,7 @@ from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.rl.advantages import advantages_for_groups
-from mmgrpo_jax.rl.batch import pack_rows, rows_from_groups
+from mmgrpo_jax.rl.batch import Batch, pack_rows, rows_from_groups
 from mmgrpo_jax.rl.grouping import Group, GroupingSettings, grouping_rule
 from mmgrpo_jax.rl.rollout import run_rollouts, score_examples, summarize
 from mmgrpo_jax.rl.step import (
@@ -126,6 +126,35 @@ def step_metrics(
     return metrics
 
 
+ENGINE_METHODS = (
+    "submit",
+    "update_weights",
+    "stats",
+    "state_dict",
+    "load_state_dict",
+    "open_client",
+    "close_client",
+    "close",
+)
+
+
+def _engine_or_factory(
+    engine: RolloutEngine | EngineFactory | None,
+) -> tuple[RolloutEngine | None, EngineFactory | None]:
+    """(a shared engine, None), (None, a factory), or (None, None) for the default JaxEngine."""
+    if engine is None:
+        return None, None
+    if not isinstance(engine, type) and isinstance(engine, RolloutEngine):
+        return engine, None
+    if callable(engine):
+        return None, engine
+    missing = [m for m in ENGINE_METHODS if not hasattr(engine, m)]
+    raise TypeError(
+        f"MMGRPO engine= must be a RolloutEngine or a factory model -> engine; {engine!r} lacks "
+        f"{missing}"
+    )
+
+
 @dataclasses.dataclass
 class _Learner:
     """The jitted functions of a run and the state they pass along."""
@@ -157,9 +186,8 @@ class MMGRPO:
             raise ValueError("train='lora' needs a model built with a LoRA adapter (lora=...)")
         self.metric, self.config, self.model, self.tokenizer = metric, config, model, tokenizer
         self.stop_token_ids = tuple(stop_token_ids)
-        self.engine = engine if isinstance(engine, RolloutEngine) else None  # shared, not owned
-        self._engine_factory = engine if callable(engine) and self.engine is None else None
-        self.trainable = nnx.LoRAParam if config.train == "lora" else nnx.Param
+        self.engine, self._engine_factory = _engine_or_factory(engine)
+        self.trainable = config.trainable
         self.run_dir = Path(config.run_dir)
         self.log: RunLogger | None = None
         self.summary: dict[str, Any] | None = None  # summary.json's content, after compile
@@ -226,6 +254,7 @@ class MMGRPO:
         cfg = self.config
         rule = grouping_rule(cfg.grouping)
         seconds: dict[str, float] = {}
+        stats_before = dataclasses.replace(lm.stats)
         start = time.perf_counter()
         chosen = [
             trainset[i]
@@ -250,32 +279,38 @@ class MMGRPO:
             unit=rule.unit,
             mask_truncated_completions=cfg.mask_truncated_completions,
         )
+        occupancy = lm.stats.since(stats_before).occupancy  # this step's rollouts only
         update: dict[str, float] = {}
+        new_state = learner.state
         if rows:
             start = time.perf_counter()
-            update = self._update(learner, pack_rows(rows, cfg.optim.micro_batch_size))
-            lm.engine.update_weights(learner.state.trainable)  # the next rollouts use the update
+            batch = pack_rows(rows, cfg.optim.micro_batch_size)
+            new_state, update = self._update(learner, batch)
+            lm.engine.update_weights(new_state.trainable)  # the next rollouts use the update
             seconds["train"] = time.perf_counter() - start
         else:
             logger.warning("step %d produced no training rows; skipping the update", step + 1)
-        occupancy = lm.stats.occupancy
         metrics = step_metrics(trajectories, groups, advantages, update, seconds, occupancy)
         record = {"step": float(step + 1), "lr": float(cfg.optim.schedule(cfg.num_steps)(step))}
         self.log.log({**record, **metrics})
+        # only a finished step changes the learner: an interrupt before this line leaves the
+        # state of the previous step, which is what a checkpoint at `done` must hold
+        learner.state = new_state
 
-    def _update(self, learner: _Learner, batch) -> dict[str, float]:
+    def _update(self, learner: _Learner, batch: Batch) -> tuple[TrainState, dict[str, float]]:
         """num_iterations updates on one batch; old log-probs are those before the first."""
+        state = learner.state
         if self.config.num_iterations > 1:
-            old = learner.logprob_fn(learner.state.trainable, learner.frozen, batch)
+            old = learner.logprob_fn(state.trainable, learner.frozen, batch)
             batch = batch.replace(old_logps=old)
         first = None
         for _ in range(self.config.num_iterations):
-            learner.state, metrics = learner.step_fn(learner.state, learner.frozen, batch)
+            state, metrics = learner.step_fn(state, learner.frozen, batch)
             first = first or metrics
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         # the gap is measured before any update of this step: the first iteration's
         metrics["sampler_logprob_gap"] = float(first["sampler_logprob_gap"])
-        return metrics
+        return state, metrics
 
     # -- set-up and teardown -------------------------------------------------------------------
     @staticmethod

@@ -203,3 +203,20 @@ def test_an_engine_factory_is_built_on_the_policy_and_closed(tokenizer, tmp_path
     [engine] = made
     assert engine.closed and len(engine.updates) == 1
 
+
+
+def test_an_engine_that_is_neither_an_engine_nor_a_factory_is_refused(tokenizer):
+    class Half:
+        def submit(self, request):
+            raise AssertionError
+
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    with pytest.raises(TypeError, match=r"lacks \['update_weights', 'stats'"):
+        mmgrpo_jax.MMGRPO(
+            reward,
+            mmgrpo_jax.MMGRPOConfig(),
+            model=new_model(tokenizer),
+            tokenizer=tokenizer,
+            stop_token_ids=stop,
+            engine=Half(),
+        )
