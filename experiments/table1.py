@@ -30,11 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from flax import nnx
 
 from mmgrpo_jax.cli.demo import DemoConfig, mmgrpo_config, tiny_policy
 from mmgrpo_jax.engines.base import Sampling
-from mmgrpo_jax.engines.jax_engine import JaxEngine
 from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.program.adapter import format_outputs
 from mmgrpo_jax.program.module import Module
@@ -43,7 +41,7 @@ from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
 from mmgrpo_jax.prompt_opt.proposer import PROPOSE, SUMMARIZE
 from mmgrpo_jax.rl.rollout import quiet_failure_warnings
 from mmgrpo_jax.testing import ScriptedLM
-from mmgrpo_jax.trainer.mmgrpo import MMGRPO, evaluate
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, default_engine, evaluate
 from programs import synthetic
 
 METHODS = ("vanilla", "prompt_opt", "mmgrpo", "better_together")
@@ -88,15 +86,7 @@ class Setup:
         self.demo = DemoConfig(seed=seed, num_steps=args.steps, progress=False)
         self.model, self.tokenizer = tiny_policy(self.demo)
         self.stop = [self.tokenizer.eos_token_id]
-        sampler = mmgrpo_config(self.demo, args.out).sampler
-        self.engine = JaxEngine(
-            self.model,
-            stop_token_ids=self.stop,
-            trainable=nnx.Param,  # the demo trains in full
-            max_batch=sampler.batch,
-            max_wait_s=sampler.max_wait_s,
-            seed=seed,
-        )
+        self.engine = default_engine(self.model, self.stop, mmgrpo_config(self.demo, args.out))
         self.greedy = EngineLM(self.engine, self.tokenizer, sampling=Sampling(1, temperature=0.0))
         self.seed, self.candidates = seed, args.candidates
         self.run_dir = args.out / f"{args.name}_runs"

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 
 from mmgrpo_jax.cli.config import config_to_dict
 from mmgrpo_jax.engines.base import Sampling
-from mmgrpo_jax.engines.jax_engine import JaxEngine
 from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.module import Module
@@ -31,7 +30,7 @@ from mmgrpo_jax.prompt_opt.better_together import BetterTogether, parse_strategy
 from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
 from mmgrpo_jax.rl.rollout import score_examples, summarize
 from mmgrpo_jax.trainer.config import MMGRPOConfig
-from mmgrpo_jax.trainer.mmgrpo import MMGRPO, evaluate, load_policy
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, default_engine, evaluate, load_policy
 from models.decoder import Decoder
 from models.export import adapter_lora_config, load_peft_adapter, save_peft_adapter, without_lora
 from models.hf import load_checkpoint
@@ -139,14 +138,7 @@ class Policy:
         self.model, self.tokenizer, self.stop = load_policy(cfg.mmgrpo)
         self.frozen = FrozenBaseLMs(self.model, self.tokenizer, self.stop)
         sampler = cfg.mmgrpo.sampler
-        self.engine = JaxEngine(
-            self.model,
-            stop_token_ids=self.stop,
-            trainable=cfg.mmgrpo.trainable,
-            max_batch=sampler.batch,
-            max_wait_s=sampler.max_wait_s,
-            seed=cfg.mmgrpo.seed,
-        )
+        self.engine = default_engine(self.model, self.stop, cfg.mmgrpo)
         self.greedy = EngineLM(
             self.engine,
             self.tokenizer,

@@ -63,7 +63,6 @@ class JaxEngine:
         # variables later changes nothing here; only update_weights does.
         self._graphdef = graphdef
         self._weights, self._rest = jax.tree.map(lambda x: x, (weights, rest))
-        self.vocab_size = model.config.vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_batch, self.max_wait_s, self.mesh = max_batch, max_wait_s, mesh
         self._stats = EngineStats(max_batch=max_batch)

@@ -52,30 +52,31 @@ def rows_from_groups(
     `unit="row"` every row is its own unit.
     """
     rows: list[Row] = []
-    members = 0
-    for group, group_advantages in zip(groups, advantages, strict=True):
-        for member, advantage in zip(group.members, group_advantages, strict=True):
-            member_unit = members
-            members += 1
-            for call in member.calls:
-                if call.prompt_ids is None or call.completion_ids is None:
-                    raise ValueError(
-                        f"call {call.predictor}[{call.invocation}] has no token ids; train with an "
-                        "LM that returns them (an engines.EngineLM)"
-                    )
-                if not call.completion_ids:
-                    continue  # nothing was generated: no token to train
-                truncated = call.finish_reason == "length"
-                rows.append(
-                    Row(
-                        call.prompt_ids,
-                        call.completion_ids,
-                        float(advantage),
-                        member_unit if unit == "trajectory" else len(rows),
-                        call.logprobs,
-                        in_loss=not (mask_truncated_completions and truncated),
-                    )
+    members = (
+        (member, advantage)
+        for group, group_advantages in zip(groups, advantages, strict=True)
+        for member, advantage in zip(group.members, group_advantages, strict=True)
+    )
+    for member_unit, (member, advantage) in enumerate(members):
+        for call in member.calls:
+            if call.prompt_ids is None or call.completion_ids is None:
+                raise ValueError(
+                    f"call {call.predictor}[{call.invocation}] has no token ids; train with an "
+                    "LM that returns them (an engines.EngineLM)"
                 )
+            if not call.completion_ids:
+                continue  # nothing was generated: no token to train
+            truncated = call.finish_reason == "length"
+            rows.append(
+                Row(
+                    call.prompt_ids,
+                    call.completion_ids,
+                    float(advantage),
+                    member_unit if unit == "trajectory" else len(rows),
+                    call.logprobs,
+                    in_loss=not (mask_truncated_completions and truncated),
+                )
+            )
     return rows
 
 

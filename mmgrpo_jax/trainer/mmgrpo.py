@@ -53,7 +53,15 @@ from models.export import save_peft_adapter
 from models.hf import load_checkpoint
 from models.tokenizer import HFTokenizer
 
-__all__ = ["MMGRPO", "MMGRPOConfig", "OptimConfig", "SamplerConfig", "evaluate", "load_policy"]
+__all__ = [
+    "MMGRPO",
+    "MMGRPOConfig",
+    "OptimConfig",
+    "SamplerConfig",
+    "default_engine",
+    "evaluate",
+    "load_policy",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +88,21 @@ def examples_for_step(num_examples: int, per_step: int, step: int, seed: int) ->
         order = np.random.default_rng([seed, epoch]).permutation(num_examples)
         indices.append(int(order[offset]))
     return indices
+
+
+def default_engine(
+    model: Decoder, stop_token_ids: Sequence[int], config: MMGRPOConfig
+) -> JaxEngine:
+    """The JaxEngine a run samples through unless given another: the config's sampler batch,
+    wait and seed, receiving the trainable part of the model."""
+    return JaxEngine(
+        model,
+        stop_token_ids=stop_token_ids,
+        trainable=config.trainable,
+        max_batch=config.sampler.batch,
+        max_wait_s=config.sampler.max_wait_s,
+        seed=config.seed,
+    )
 
 
 def evaluate(program: Module, examples: Sequence[Example], metric: Metric, lm: LM) -> float:
@@ -342,14 +365,7 @@ class MMGRPO:
         if self._engine_factory is not None:
             engine = self._engine_factory(self.model)
         else:
-            engine = JaxEngine(
-                self.model,
-                stop_token_ids=self.stop_token_ids,
-                trainable=self.trainable,
-                max_batch=self.config.sampler.batch,
-                max_wait_s=self.config.sampler.max_wait_s,
-                seed=self.config.seed,
-            )
+            engine = default_engine(self.model, self.stop_token_ids, self.config)
         closing.callback(engine.close)
         return engine
 
