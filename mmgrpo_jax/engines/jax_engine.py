@@ -113,9 +113,14 @@ class JaxEngine:
             self._cond.notify_all()  # the others may now all be waiting
 
     def close(self) -> None:
+        """Stop: the batch being sampled finishes, requests still queued fail (a run that is
+        interrupted must not wait for them)."""
         with self._cond:
             self._closed = True
+            dropped, self._pending = self._pending, []
             self._cond.notify_all()
+        for pending in dropped:
+            pending.future.set_exception(RuntimeError("the JaxEngine was closed"))
         self._thread.join()
 
     # -- the dispatcher ------------------------------------------------------------------------

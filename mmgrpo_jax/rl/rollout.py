@@ -12,10 +12,11 @@ import logging
 import math
 import numbers
 import threading
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from mmgrpo_jax.program.adapter import ParseError
@@ -27,17 +28,27 @@ from mmgrpo_jax.rl.types import Metric, Status, Trajectory
 
 logger = logging.getLogger(__name__)
 
+
 def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
 def _as_reward(value: Any) -> float:
-    if isinstance(value, bool | numbers.Real):
-        reward = float(value)
-        if not math.isfinite(reward):
-            raise ValueError(f"metric returned a non-finite reward {reward!r}")
-        return reward
-    raise TypeError(f"metric returned {value!r}; expected a number or a bool")
+    """Any real scalar: Python, numpy or a 0-d (JAX) array, bools included."""
+    if not isinstance(value, bool | numbers.Real):
+        array = np.asarray(value) if hasattr(value, "__array__") else None
+        if (
+            array is None
+            or array.ndim != 0
+            or not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_)
+            or np.issubdtype(array.dtype, np.complexfloating)
+        ):
+            raise TypeError(f"metric returned {value!r}; expected a real number or a bool")
+        value = array.item()
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise ValueError(f"metric returned a non-finite reward {reward!r}")
+    return reward
 
 
 def run_trajectory(
@@ -54,8 +65,6 @@ def run_trajectory(
     """Run and score one trajectory; every failure becomes a status, never an exception."""
 
     def ended(status: Status, reward: float, error: str | None = None, prediction: Any = None):
-        if error is not None:
-            logger.warning("example %d rollout %d: %s", example_index, rollout_index, error)
         return Trajectory(
             example_index, rollout_index, trace.calls, reward, status, error, prediction
         )
@@ -102,7 +111,15 @@ def run_rollouts(
     jobs = [
         (program, example, e, r) for e, example in enumerate(examples) for r in range(num_rollouts)
     ]
-    return _run_jobs(jobs, metric, lm, max_workers, failure_score, format_failure_score, progress)
+    return _run_jobs(
+        jobs,
+        metric,
+        lm=lm,
+        max_workers=max_workers,
+        failure_score=failure_score,
+        format_failure_score=format_failure_score,
+        progress=progress,
+    )
 
 
 def run_pairs(
@@ -114,22 +131,35 @@ def run_pairs(
     failure_score: float = 0.0,
     format_failure_score: float = -1.0,
     progress: bool = False,
+    on_result: Callable[[Trajectory], None] | None = None,
 ) -> list[Trajectory]:
     """One run of each (program, example) pair, all on one thread pool; trajectory i (its
     example_index) is pair i's. Different programs (prompt candidates, teachers) share the LM's
-    batches this way instead of taking turns."""
+    batches this way instead of taking turns. `on_result` sees each trajectory as it finishes
+    (in the calling thread), so a caller keeps what finished if the run is interrupted."""
     jobs = [(program, example, i, 0) for i, (program, example) in enumerate(pairs)]
-    return _run_jobs(jobs, metric, lm, max_workers, failure_score, format_failure_score, progress)
+    return _run_jobs(
+        jobs,
+        metric,
+        lm=lm,
+        max_workers=max_workers,
+        failure_score=failure_score,
+        format_failure_score=format_failure_score,
+        progress=progress,
+        on_result=on_result,
+    )
 
 
 def _run_jobs(
     jobs: list[tuple[Module, Example, int, int]],
     metric: Metric,
+    *,
     lm: LM | None,
     max_workers: int | None,
     failure_score: float,
     format_failure_score: float,
     progress: bool,
+    on_result: Callable[[Trajectory], None] | None = None,
 ) -> list[Trajectory]:
     for _, example, _, _ in jobs:
         example.inputs()  # fail here, not in a worker thread, on a row without input keys
@@ -168,10 +198,32 @@ def _run_jobs(
                 if busy_after < busy_before:
                     lm.close_client()
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout") as pool:
-        results = pool.map(job, jobs)
-        bar = tqdm(results, total=len(jobs), desc="rollouts", disable=not progress, leave=False)
-        return list(bar)
+    # Not `with`: an interrupt must not wait for the running jobs (their LM calls fail once
+    # the engine is closed); the queued ones are cancelled.
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout")
+    results: list[Trajectory | None] = [None] * len(jobs)
+    try:
+        futures = {pool.submit(job, spec): i for i, spec in enumerate(jobs)}
+        bar = tqdm(total=len(jobs), desc="rollouts", disable=not progress, leave=False)
+        with bar:
+            for future in as_completed(futures):
+                trajectory = future.result()
+                if trajectory.error is not None:
+                    logger.warning(
+                        "example %d rollout %d: %s",
+                        trajectory.example_index,
+                        trajectory.rollout_index,
+                        trajectory.error,
+                    )
+                results[futures[future]] = trajectory
+                if on_result is not None:
+                    on_result(trajectory)
+                bar.update()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return results
 
 
 def score_examples(
@@ -181,10 +233,12 @@ def score_examples(
     *,
     lm: LM | None = None,
     progress: bool = False,
+    on_result: Callable[[Trajectory], None] | None = None,
 ) -> list[Trajectory]:
     """One run per example where every failure scores 0: evaluation must not reward (or, with a
     negative format_failure_score, punish harder) a broken format."""
-    return score_pairs([(program, e) for e in examples], metric, lm=lm, progress=progress)
+    pairs = [(program, e) for e in examples]
+    return score_pairs(pairs, metric, lm=lm, progress=progress, on_result=on_result)
 
 
 def score_pairs(
@@ -193,10 +247,17 @@ def score_pairs(
     *,
     lm: LM | None = None,
     progress: bool = False,
+    on_result: Callable[[Trajectory], None] | None = None,
 ) -> list[Trajectory]:
     """`score_examples` for (program, example) pairs: several programs in one pool."""
     return run_pairs(
-        pairs, metric, lm=lm, failure_score=0.0, format_failure_score=0.0, progress=progress
+        pairs,
+        metric,
+        lm=lm,
+        failure_score=0.0,
+        format_failure_score=0.0,
+        progress=progress,
+        on_result=on_result,
     )
 
 

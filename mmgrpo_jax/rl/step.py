@@ -172,6 +172,14 @@ def make_train_step(
         grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, micro_batches)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
         trainable = optax.apply_updates(state.trainable, updates)
+        grad_norm = optax.tree.norm(grads)
+        # a non-finite loss, gradient or result is never applied: the old state is kept
+        applied = jnp.isfinite(losses.sum()) & jnp.isfinite(grad_norm) & _all_finite(trainable)
+        trainable, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(applied, new, old),
+            (trainable, opt_state),
+            (state.trainable, state.opt_state),
+        )
         tokens = metrics.pop("tokens")
         gap_sum, gap_tokens = metrics.pop("gap_sum").sum(), metrics.pop("gap_tokens").sum()
         # token-weighted means over micro-batches, so they equal the whole step's means
@@ -181,10 +189,15 @@ def make_train_step(
         summary.update(
             tokens=tokens.sum(),
             loss=losses.sum(),
-            grad_norm=optax.tree.norm(grads),
+            grad_norm=grad_norm,
+            update_applied=applied,
             sampler_logprob_gap=jnp.where(gap_tokens > 0, gap_sum / gap_tokens, jnp.nan),
         )
         new_state = TrainState(trainable, opt_state, jax.random.key_data(next_key))
         return new_state, summary
 
     return step
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))

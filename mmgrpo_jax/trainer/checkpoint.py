@@ -1,23 +1,30 @@
-"""Checkpoints of an mmGRPO run: what a resume needs, where it lives, and who may write there.
+"""Checkpoints of an mmGRPO run: what a resume needs, written whole or not at all, verified on read.
 
 A checkpoint holds the donated train state (trainable parameters, optimizer state, dropout key),
 the KL reference copy when "full" training keeps one, and JSON metadata: the completed step, the
-engine's state (its sampling counter), the program's prompt state and the config. A fresh run
-refuses a run directory that holds another run's checkpoints (orbax would skip saving the steps
-that exist, silently losing the new run's).
+engine's state (its sampling counter), the program's prompt state, the config, the run's wall
+time so far, and a CRC32 of every saved array. orbax writes into a temporary folder and renames
+it when complete; leftovers of a write that was killed are removed when the run directory is
+opened again. A non-finite array is never saved. On restore the newest checkpoint that reads back
+and matches its checksums wins; a damaged newer one is named in a warning. A fresh run refuses a
+run directory that holds another run's checkpoints (orbax would skip saving the steps that exist,
+silently losing the new run's).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import zlib
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.rl.step import TrainState
 
 logger = logging.getLogger(__name__)
@@ -27,26 +34,62 @@ logger = logging.getLogger(__name__)
 class Restored:
     state: TrainState
     reference: nnx.State | None
-    meta: dict[str, Any]  # step, engine, program, config
+    meta: dict[str, Any]  # step, engine, program, config, wall_seconds, checksums
 
     @property
     def step(self) -> int:
         return int(self.meta["step"])
 
 
+class DamagedCheckpoint(Exception):
+    """A checkpoint that cannot be read back, or reads back different from what was saved."""
+
+
+def array_checksums(trees: dict[str, Any]) -> dict[str, str]:
+    """CRC32 of every array's bytes by its path; refuses a non-finite floating array."""
+    sums = {}
+    for name, tree in trees.items():
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            key = name + jax.tree_util.keystr(path)
+            array = np.ascontiguousarray(jax.device_get(leaf))
+            floating = np.issubdtype(array.dtype, np.inexact) or array.dtype.kind == "V"  # bf16
+            if floating and not np.all(np.isfinite(array.astype(np.float32))):
+                raise ValueError(f"refusing to checkpoint a non-finite array: {key}")
+            sums[key] = f"{zlib.crc32(array.view(np.uint8)):08x}"
+    return sums
+
+
+def saved_steps(run_dir: str | Path) -> list[int]:
+    """The steps with a complete checkpoint (orbax renames a step's folder to its number only
+    once the write is complete; unfinished ones carry a tmp suffix)."""
+    directory = Path(run_dir) / "checkpoints"
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def refuse_foreign_checkpoints(run_dir: str | Path, resume: bool) -> None:
+    """A fresh run must not write where another run's checkpoints are."""
+    existing = saved_steps(run_dir)
+    if not resume and existing:
+        raise UserError(
+            f"run_dir={str(run_dir)!r} already holds checkpoints of another run (steps "
+            f"{existing}): set resume=true to continue it, or choose another run_dir"
+        )
+
+
 class Checkpointer:
-    """orbax checkpoints under `<run_dir>/checkpoints`, the two newest kept."""
+    """orbax checkpoints under `<run_dir>/checkpoints`, the two newest kept. Open it only while
+    holding the run directory's lock: opening removes unfinished writes."""
 
     def __init__(self, run_dir: str | Path, *, resume: bool, max_to_keep: int = 2) -> None:
+        refuse_foreign_checkpoints(run_dir, resume)
         self.directory = (Path(run_dir) / "checkpoints").absolute()
-        if not resume and self.directory.is_dir() and any(self.directory.iterdir()):
-            raise ValueError(
-                f"MMGRPOConfig.run_dir={str(run_dir)!r} already holds checkpoints of another "
-                "run: set resume=true to continue it, or choose another run_dir"
-            )
-        self.resume = resume
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True
+        )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self.resume = resume
 
     def save(
         self,
@@ -57,23 +100,49 @@ class Checkpointer:
     ) -> None:
         if step in self._manager.all_steps():
             return  # the periodic save of this step already holds exactly this state
-        items = {
-            "state": ocp.args.StandardSave(state),
-            "meta": ocp.args.JsonSave({**meta, "step": step}),
-        }
-        if reference is not None:
-            items["reference"] = ocp.args.StandardSave(reference)
+        trees = {"state": state} if reference is None else {"state": state, "reference": reference}
+        checksums = array_checksums(trees)
+        items = {name: ocp.args.StandardSave(tree) for name, tree in trees.items()}
+        items["meta"] = ocp.args.JsonSave({**meta, "step": step, "checksums": checksums})
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        # written before save returns: the caller holds signals back only around this call
+        self._manager.wait_until_finished()
 
     def restore(self, state: TrainState, reference: nnx.State | None) -> Restored | None:
-        """The newest checkpoint shaped like `state` (and `reference`), or None without one."""
-        step = self._manager.latest_step() if self.resume else None
-        if step is None:
-            return None
+        """The newest intact checkpoint shaped like `state` (and `reference`), None without
+        any (or without resume); an error if there are checkpoints and none is intact."""
+        steps = sorted(self._manager.all_steps(), reverse=True) if self.resume else []
+        damaged = []
+        for step in steps:
+            try:
+                restored = self._restore_step(step, state, reference)
+            except DamagedCheckpoint as err:
+                damaged.append(f"step {step}: {err}")
+                logger.warning(
+                    "the checkpoint of step %d is damaged (%s); trying an older one", step, err
+                )
+                continue
+            if damaged:
+                logger.warning("resuming from the intact checkpoint of step %d instead", step)
+            logger.info("resumed from step %d in %s", step, self.directory)
+            return restored
+        if damaged:
+            raise UserError(
+                f"no intact checkpoint in {str(self.directory)!r}: {'; '.join(damaged)}; start "
+                "a fresh run_dir"
+            )
+        return None
 
-        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        if "engine" not in meta.meta:  # written before the engine protocol (no dropout key either)
-            raise ValueError(
+    def _restore_step(self, step: int, state: TrainState, reference: nnx.State | None) -> Restored:
+        where = self.directory / str(step)
+        try:
+            meta = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            ).meta
+        except Exception as err:
+            raise DamagedCheckpoint(f"{where / 'meta'} unreadable: {_first_line(err)}") from err
+        if "engine" not in meta:  # written before the engine protocol (no dropout key either)
+            raise UserError(
                 f"the checkpoint of step {step} in {str(self.directory)!r} was written by an "
                 "older mmgrpo-jax (no engine state, no dropout key) and cannot be resumed: "
                 "start a fresh run_dir"
@@ -82,14 +151,35 @@ class Checkpointer:
         def abstract(tree):
             return ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, tree))
 
-        items = {"state": abstract(state), "meta": ocp.args.JsonRestore()}
-        if reference is not None:
-            items["reference"] = abstract(reference)
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        logger.info("resumed from step %d in %s", step, self.directory)
-        kept = restored.reference if reference is not None else None
-        return Restored(restored.state, kept, dict(restored.meta))
+        trees = {"state": state} if reference is None else {"state": state, "reference": reference}
+        items = {name: abstract(tree) for name, tree in trees.items()}
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as err:
+            raise DamagedCheckpoint(f"{where} unreadable: {_first_line(err)}") from err
+        read = {name: restored[name] for name in trees}
+        try:
+            found = array_checksums(read)
+        except ValueError as err:
+            raise DamagedCheckpoint(f"{where}: {err}") from err
+        saved = meta.get("checksums")
+        if saved is None:
+            logger.warning("the checkpoint of step %d has no checksums (an older writer)", step)
+        else:
+            bad = sorted(k for k in set(saved) | set(found) if saved.get(k) != found.get(k))
+            if bad:
+                raise DamagedCheckpoint(
+                    f"{where}: {len(bad)} arrays differ from their saved checksum, the first "
+                    f"{bad[0]}"
+                )
+        kept = read.get("reference")
+        return Restored(read["state"], kept, dict(meta))
 
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200] if text else ''}"

@@ -110,6 +110,12 @@ class MMGRPOConfig:
     format_failure_score: float = -1.0
     eval_every: int = 10
     checkpoint_every: int = 10
+    # the run stops after this many updates in a row with a non-finite loss / gradient (skipped)
+    max_skipped_updates: int = 3
+    # a step where at least this fraction of rollouts raised (program or metric) counts as
+    # failed; max_failed_steps failed steps in a row stop the run with the first error
+    failing_error_fraction: float = 1.0
+    max_failed_steps: int = 3
     seed: int = 0
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     train: Literal["lora", "full"] = "lora"
@@ -127,11 +133,22 @@ class MMGRPOConfig:
             raise _bad(self, "num_rollouts", "must be >= 2 (a group of one has no advantage)")
         if self.select_k is not None and self.select_k < 2:
             raise _bad(self, "select_k", "must be >= 2 or null")
-        for field in ("examples_per_step", "num_steps", "num_iterations", "eval_every"):
+        at_least_one = (
+            "examples_per_step",
+            "num_steps",
+            "num_iterations",
+            "eval_every",
+            "checkpoint_every",
+            "max_skipped_updates",
+            "max_failed_steps",
+        )
+        for field in at_least_one:
             if getattr(self, field) < 1:
                 raise _bad(self, field, "must be >= 1")
-        if self.checkpoint_every < 1:
-            raise _bad(self, "checkpoint_every", "must be >= 1")
+        if not 0 < self.failing_error_fraction <= 1:
+            raise _bad(self, "failing_error_fraction", "must be in (0, 1]")
+        if self.seed < 0:
+            raise _bad(self, "seed", "must be >= 0")
         if self.advantage_scale not in SCALES:
             raise _bad(self, "advantage_scale", f"must be one of {SCALES}")
         if self.train not in ("lora", "full"):

@@ -12,6 +12,7 @@ function of (seed, step).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections import Counter
@@ -29,11 +30,12 @@ from tqdm.auto import tqdm
 from mmgrpo_jax.engines.base import RolloutEngine, Sampling
 from mmgrpo_jax.engines.jax_engine import JaxEngine
 from mmgrpo_jax.engines.lm import EngineLM
+from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.rl.advantages import advantages_for_groups
-from mmgrpo_jax.rl.batch import Batch, pack_rows, rows_from_groups
+from mmgrpo_jax.rl.batch import Batch, Row, pack_rows, rows_from_groups
 from mmgrpo_jax.rl.grouping import Group, GroupingSettings, grouping_rule
 from mmgrpo_jax.rl.rollout import run_rollouts, score_examples, summarize
 from mmgrpo_jax.rl.step import (
@@ -45,8 +47,10 @@ from mmgrpo_jax.rl.step import (
     split_for_training,
 )
 from mmgrpo_jax.rl.types import Metric, Trajectory
-from mmgrpo_jax.trainer.checkpoint import Checkpointer
+from mmgrpo_jax.trainer.checkpoint import Checkpointer, Restored, refuse_foreign_checkpoints
 from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
+from mmgrpo_jax.trainer.interrupt import Interrupted, StopSignals
+from mmgrpo_jax.trainer.run_lock import RunLock
 from mmgrpo_jax.trainer.run_log import RunLogger
 from models.decoder import Decoder
 from models.export import save_peft_adapter
@@ -58,6 +62,7 @@ __all__ = [
     "MMGRPOConfig",
     "OptimConfig",
     "SamplerConfig",
+    "check_run_dir",
     "default_engine",
     "evaluate",
     "load_policy",
@@ -105,6 +110,13 @@ def default_engine(
     )
 
 
+def check_run_dir(config: MMGRPOConfig) -> None:
+    """What `compile` would refuse about config.run_dir (another run holds it; a fresh run
+    into another run's checkpoints), checked before a model is loaded."""
+    with RunLock(config.run_dir):
+        refuse_foreign_checkpoints(config.run_dir, config.resume)
+
+
 def evaluate(program: Module, examples: Sequence[Example], metric: Metric, lm: LM) -> float:
     """Mean greedy reward; failures score 0 here so that a broken format is not rewarded."""
     if not examples:
@@ -149,6 +161,32 @@ def step_metrics(
     return metrics
 
 
+# What a resume may change: how long the run goes on, what it logs, and when it gives up.
+RESUMABLE_FIELDS = frozenset(
+    {
+        "num_steps",
+        "resume",
+        "run_dir",
+        "progress",
+        "eval_every",
+        "checkpoint_every",
+        "max_skipped_updates",
+        "failing_error_fraction",
+        "max_failed_steps",
+    }
+)
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 ENGINE_METHODS = (
     "submit",
     "update_weights",
@@ -176,6 +214,75 @@ def _engine_or_factory(
         f"MMGRPO engine= must be a RolloutEngine or a factory model -> engine; {engine!r} lacks "
         f"{missing}"
     )
+
+
+def _give_back(model: Decoder, state: TrainState) -> None:
+    """The trained weights into the model, unless a failed update left them donated."""
+    if any(leaf.is_deleted() for leaf in jax.tree.leaves(state.trainable)):
+        logger.error(
+            "the model keeps its weights from before the run: the update that failed "
+            "had consumed the train state"
+        )
+        return
+    nnx.update(model, state.trainable)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepRollouts:
+    """What a step's rollouts produce, before any state changes."""
+
+    trajectories: list[Trajectory]
+    groups: list[Group]
+    advantages: list[np.ndarray]
+    rows: list[Row]
+    seconds: dict[str, float]
+    occupancy: float
+
+
+class _Guard:
+    """Stops a run that cannot be learning: updates that keep coming out non-finite, or a
+    metric / program that raises on (nearly) every rollout step after step."""
+
+    def __init__(self, config: MMGRPOConfig) -> None:
+        self.config = config
+        self.skipped_in_a_row = 0
+        self.failed_steps_in_a_row = 0
+
+    def count_update(self, applied: bool, metrics: dict[str, float], step: int) -> None:
+        if applied:
+            self.skipped_in_a_row = 0
+            return
+        self.skipped_in_a_row += 1
+        limit = self.config.max_skipped_updates
+        logger.warning(
+            "step %d: update skipped, loss=%s grad_norm=%s (%d in a row, the run stops at %d)",
+            step + 1,
+            metrics.get("loss"),
+            metrics.get("grad_norm"),
+            self.skipped_in_a_row,
+            limit,
+        )
+        if self.skipped_in_a_row >= limit:
+            raise UserError(
+                f"step {step + 1}: {limit} updates in a row had a non-finite loss, gradient norm "
+                f"or result (loss={metrics.get('loss')}, grad_norm={metrics.get('grad_norm')}) "
+                "and were skipped; no checkpoint holds them. Lower optim.lr (now "
+                f"{self.config.optim.lr}) or optim.max_grad_norm and resume"
+            )
+
+    def check_rollouts(self, trajectories: Sequence[Trajectory], step: int) -> None:
+        errors = [t for t in trajectories if t.status == "error"]
+        fraction = len(errors) / max(len(trajectories), 1)
+        if not errors or fraction < self.config.failing_error_fraction:
+            self.failed_steps_in_a_row = 0
+            return
+        self.failed_steps_in_a_row += 1
+        if self.failed_steps_in_a_row >= self.config.max_failed_steps:
+            raise UserError(
+                f"step {step + 1}: {len(errors)} of {len(trajectories)} rollouts raised, "
+                f"{self.failed_steps_in_a_row} steps in a row (max_failed_steps="
+                f"{self.config.max_failed_steps}); the first: {errors[0].error}"
+            )
 
 
 @dataclasses.dataclass
@@ -222,32 +329,63 @@ class MMGRPO:
         cfg = self.config
         self._check_data(cfg, trainset, valset)
         with ExitStack() as closing:
+            stop = closing.enter_context(StopSignals())
+            closing.enter_context(RunLock(self.run_dir))  # before the checkpoints: one writer
             checkpoints = Checkpointer(self.run_dir, resume=cfg.resume)
             closing.callback(checkpoints.close)
-            self.log = RunLogger(self.run_dir)
             learner = self._learner()
             # the model gets the trained weights however the run ends (the engine has its own)
-            closing.callback(lambda: nnx.update(self.model, learner.state.trainable))
+            closing.callback(lambda: _give_back(self.model, learner.state))
             engine = self._open_engine(closing)
             lm, greedy = self._lms(engine)
-            done = self._resume(checkpoints, learner, engine, program)
+            restored = self._resume(checkpoints, learner, engine, program)
+            done = 0 if restored is None else restored.step
+            summary_path = self.run_dir / "summary.json"
+            if restored is not None and done >= cfg.num_steps and summary_path.is_file():
+                logger.warning(
+                    "%s holds a finished run (step %d of %d): nothing to do; raise num_steps to "
+                    "train on",
+                    self.run_dir,
+                    done,
+                    cfg.num_steps,
+                )
+                self.summary = json.loads(summary_path.read_text())
+                return program
+            self.log = RunLogger(
+                self.run_dir,
+                resumed_step=None if restored is None else done,
+                elapsed=0.0 if restored is None else restored.meta.get("wall_seconds", 0.0),
+            )
             # a checkpoint holds the state after the last *completed* step, the engine's included
             # (an interrupted step has already drawn from its sampling counter)
             engine_state = engine.state_dict()
+            guard = _Guard(cfg)
             try:
                 for step in self._progress(done):
+                    # a signal here raises at once: rollouts and evaluation change no state
                     if step % cfg.eval_every == 0 and valset:
-                        self._evaluate(program, valset, greedy, step)
-                    self._step(program, trainset, lm, learner, step)
-                    done, engine_state = step + 1, engine.state_dict()
-                    if done % cfg.checkpoint_every == 0:
-                        self._save(checkpoints, done, learner, engine_state, program)
+                        self._evaluate(program, valset, greedy, step)  # once, resumed or not
+                    rollouts = self._rollouts(program, trainset, lm, step)
+                    guard.check_rollouts(rollouts.trajectories, step)
+                    # the update donates the train state: a signal waits for the step to finish
+                    with stop.deferred():
+                        self._learn(rollouts, lm, learner, guard, step)
+                        done, engine_state = step + 1, engine.state_dict()
+                        if done % cfg.checkpoint_every == 0:
+                            self._save(checkpoints, done, learner, engine_state, program)
                 if valset:
                     self._evaluate(program, valset, greedy, done)
-                self._save(checkpoints, done, learner, engine_state, program)
-            except KeyboardInterrupt:
-                logger.warning("interrupted: writing a checkpoint at step %d before exiting", done)
-                self._save(checkpoints, done, learner, engine_state, program)
+                with stop.deferred():
+                    self._save(checkpoints, done, learner, engine_state, program)
+            except KeyboardInterrupt as err:
+                why = err.signal_name if isinstance(err, Interrupted) else "KeyboardInterrupt"
+                logger.warning("%s: writing the checkpoint of step %d before exiting", why, done)
+                with stop.deferred():
+                    self._save(checkpoints, done, learner, engine_state, program)
+                err.add_note(
+                    f"the checkpoint of step {done} is in {str(self.run_dir)!r}; resume=true "
+                    "continues the run"
+                )
                 raise
         if cfg.train == "lora":
             save_peft_adapter(self.model, self.run_dir / "adapter")
@@ -266,17 +404,12 @@ class MMGRPO:
             self.engine.update_weights(weights)
 
     # -- one step ------------------------------------------------------------------------------
-    def _step(
-        self,
-        program: Module,
-        trainset: Sequence[Example],
-        lm: EngineLM,
-        learner: _Learner,
-        step: int,
-    ) -> None:
+    def _rollouts(
+        self, program: Module, trainset: Sequence[Example], lm: EngineLM, step: int
+    ) -> _StepRollouts:
+        """The step's trajectories, groups, advantages and training rows; no state changes."""
         cfg = self.config
         rule = grouping_rule(cfg.grouping)
-        seconds: dict[str, float] = {}
         stats_before = dataclasses.replace(lm.stats)
         start = time.perf_counter()
         chosen = [
@@ -292,7 +425,7 @@ class MMGRPO:
             failure_score=cfg.failure_score,
             format_failure_score=cfg.format_failure_score,
         )
-        seconds["rollout"] = time.perf_counter() - start
+        seconds = {"rollout": time.perf_counter() - start}
         settings = GroupingSettings(cfg.num_rollouts, cfg.align, cfg.select_k, cfg.seed + step)
         groups = rule.group(trajectories, settings)
         advantages = advantages_for_groups(groups, cfg.advantage_scale)
@@ -303,37 +436,57 @@ class MMGRPO:
             mask_truncated_completions=cfg.mask_truncated_completions,
         )
         occupancy = lm.stats.since(stats_before).occupancy  # this step's rollouts only
+        return _StepRollouts(trajectories, groups, advantages, rows, seconds, occupancy)
+
+    def _learn(
+        self, rollouts: _StepRollouts, lm: EngineLM, learner: _Learner, guard: _Guard, step: int
+    ) -> None:
+        """Update on the step's rows, send the engine the new weights, log the step."""
+        cfg = self.config
+        seconds = dict(rollouts.seconds)
         update: dict[str, float] = {}
-        new_state = learner.state
-        if rows:
+        if rollouts.rows:
             start = time.perf_counter()
-            batch = pack_rows(rows, cfg.optim.micro_batch_size)
-            new_state, update = self._update(learner, batch)
-            lm.engine.update_weights(new_state.trainable)  # the next rollouts use the update
+            batch = pack_rows(rollouts.rows, cfg.optim.micro_batch_size)
+            update = self._update(learner, batch, guard, step)
+            lm.engine.update_weights(learner.state.trainable)  # the next rollouts use the update
             seconds["train"] = time.perf_counter() - start
         else:
             logger.warning("step %d produced no training rows; skipping the update", step + 1)
-        metrics = step_metrics(trajectories, groups, advantages, update, seconds, occupancy)
+        metrics = step_metrics(
+            rollouts.trajectories,
+            rollouts.groups,
+            rollouts.advantages,
+            update,
+            seconds,
+            rollouts.occupancy,
+        )
         record = {"step": float(step + 1), "lr": float(cfg.optim.schedule(cfg.num_steps)(step))}
         self.log.log({**record, **metrics})
-        # only a finished step changes the learner: an interrupt before this line leaves the
-        # state of the previous step, which is what a checkpoint at `done` must hold
-        learner.state = new_state
 
-    def _update(self, learner: _Learner, batch: Batch) -> tuple[TrainState, dict[str, float]]:
-        """num_iterations updates on one batch; old log-probs are those before the first."""
+    def _update(
+        self, learner: _Learner, batch: Batch, guard: _Guard, step: int
+    ) -> dict[str, float]:
+        """num_iterations updates on one batch; old log-probs are those before the first. The
+        step refuses (keeps the old state for) an update whose loss, gradient norm or new
+        weights are not finite; the guard stops the run after too many in a row."""
         state = learner.state
         if self.config.num_iterations > 1:
             old = learner.logprob_fn(state.trainable, learner.frozen, batch)
             batch = batch.replace(old_logps=old)
-        first = None
+        first, skipped = None, 0
         for _ in range(self.config.num_iterations):
             state, metrics = learner.step_fn(state, learner.frozen, batch)
+            learner.state = state  # the old one is donated: this is the only live state now
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             first = first or metrics
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            applied = bool(metrics.pop("update_applied"))
+            skipped += not applied
+            guard.count_update(applied, metrics, step)
         # the gap is measured before any update of this step: the first iteration's
-        metrics["sampler_logprob_gap"] = float(first["sampler_logprob_gap"])
-        return state, metrics
+        metrics["sampler_logprob_gap"] = first["sampler_logprob_gap"]
+        metrics["skipped_updates"] = float(skipped)
+        return metrics
 
     # -- set-up and teardown -------------------------------------------------------------------
     @staticmethod
@@ -341,7 +494,7 @@ class MMGRPO:
         cfg: MMGRPOConfig, trainset: Sequence[Example], valset: Sequence[Example]
     ) -> None:
         if cfg.examples_per_step > len(trainset):
-            raise ValueError(
+            raise UserError(
                 f"MMGRPOConfig.examples_per_step={cfg.examples_per_step} is larger than the "
                 f"trainset ({len(trainset)} examples)"
             )
@@ -391,6 +544,8 @@ class MMGRPO:
 
     def _evaluate(self, program: Module, valset: Sequence[Example], lm: LM, step: int) -> None:
         # logged at x = completed updates, so the curve starts at the untrained policy
+        if self.log.has("eval_reward", step):
+            return  # logged before the checkpoint this run resumed from (greedy: the same value)
         start = time.perf_counter()
         reward = evaluate(program, valset, self.metric, lm)
         self.log.log(
@@ -399,16 +554,39 @@ class MMGRPO:
 
     def _resume(
         self, checkpoints: Checkpointer, learner: _Learner, engine: RolloutEngine, program: Module
-    ) -> int:
+    ) -> Restored | None:
         restored = checkpoints.restore(learner.state, learner.frozen.reference)
         if restored is None:
-            return 0
+            return None
+        self._check_resumable(restored)
         learner.state = restored.state
         learner.frozen = dataclasses.replace(learner.frozen, reference=restored.reference)
         program.load_state(restored.meta["program"])
         engine.load_state_dict(restored.meta["engine"])
         engine.update_weights(learner.state.trainable)
-        return restored.step
+        return restored
+
+    def _check_resumable(self, restored: Restored) -> None:
+        """A resume continues the same run: only run-length, logging and safety fields may
+        differ from the checkpoint's config."""
+        saved = _flat(restored.meta["config"])
+        now = _flat(json.loads(json.dumps(dataclasses.asdict(self.config))))
+        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        refused = [k for k in changed if k.split(".")[0] not in RESUMABLE_FIELDS]
+        if refused:
+            listed = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in refused)
+            raise UserError(
+                f"resume=true with a config that differs from the checkpoint's (step "
+                f"{restored.step} in {str(self.run_dir)!r}): {listed}; resume with the "
+                "checkpoint's values, or start a fresh run_dir"
+            )
+        if "num_steps" in changed:
+            logger.warning(
+                "num_steps %s -> %s: the learning-rate schedule of the remaining steps follows %s",
+                saved["num_steps"],
+                now["num_steps"],
+                now["num_steps"],
+            )
 
     def _save(
         self,
@@ -422,5 +600,6 @@ class MMGRPO:
             "engine": engine_state,
             "program": program.dump_state(),
             "config": dataclasses.asdict(self.config),
+            "wall_seconds": self.log.elapsed,
         }
         checkpoints.save(step, learner.state, learner.frozen.reference, meta)

@@ -1,5 +1,10 @@
 """Run logging: metrics.jsonl (always), TensorBoard and a learning-curve PNG when their libraries
-are installed (a GPU box may lack them: that is said once, not ignored), and summary.json."""
+are installed (a GPU box may lack them: that is said once, not ignored), and summary.json.
+
+A resumed run continues the log of the run it resumes: rows of steps after the checkpoint (they
+are replayed) are dropped from metrics.jsonl and purged from TensorBoard, so every step has one
+row, and the summary and the curve cover the whole run across processes.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +20,27 @@ logger = logging.getLogger(__name__)
 
 
 class RunLogger:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+    """`resumed_step`: the step of the checkpoint a resumed run starts from (None: a fresh run,
+    which starts the log anew); `elapsed`: the wall seconds the run had spent before it."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool = True,
+        *,
+        resumed_step: int | None = None,
+        elapsed: float = 0.0,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
         self.history: list[dict[str, float]] = []
-        self.started = time.perf_counter()
+        if resumed_step is not None and self.metrics_path.is_file():
+            rows = [json.loads(x) for x in self.metrics_path.read_text().splitlines() if x.strip()]
+            # rows logged at x <= the checkpoint's step describe state it holds
+            self.history = [r for r in rows if r.get("step", 0) <= resumed_step]
+        self._rewrite()
+        self.started = time.perf_counter() - elapsed
         self._writer = None
         if tensorboard:
             try:
@@ -27,12 +48,28 @@ class RunLogger:
             except ImportError:
                 logger.warning("TensorBoard logging is off: tensorboardX is not installed")
             else:
-                self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+                # TensorBoard hides the events at steps >= purge_step written before this point
+                purge = None if resumed_step is None else resumed_step + 1
+                self._writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
+
+    @property
+    def elapsed(self) -> float:
+        """Wall seconds of the run so far, earlier processes of a resumed run included."""
+        return time.perf_counter() - self.started
+
+    def has(self, key: str, step: int) -> bool:
+        """Whether a row logged at `step` holds `key` (an evaluation a resume need not redo)."""
+        return any(r.get("step") == step and key in r for r in self.history)
+
+    def _rewrite(self) -> None:
+        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        tmp.replace(self.metrics_path)
 
     def log(self, record: Mapping[str, float]) -> None:
         record = {k: float(v) for k, v in record.items()}
         self.history.append(record)
-        with (self.run_dir / "metrics.jsonl").open("a") as f:
+        with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self._writer is not None:
             step = int(record.get("step", len(self.history)))
@@ -47,7 +84,7 @@ class RunLogger:
         full = {
             "eval_reward_before": evals[0] if evals else None,
             "eval_reward_after": evals[-1] if evals else None,
-            "wall_seconds": time.perf_counter() - self.started,
+            "wall_seconds": self.elapsed,
             **summary,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(full, indent=2))

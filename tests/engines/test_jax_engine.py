@@ -178,3 +178,15 @@ def test_trace_records_what_the_policy_sampled(model, tokenizer):
     [call] = trace.calls
     assert not call.parsed and call.completion == lm(call.messages).text
     lm.close()
+
+
+def test_close_fails_the_queued_requests_instead_of_sampling_them(model, tokenizer):
+    engine = JaxEngine(model, stop_token_ids=[0], max_wait_s=60.0)
+    engine.open_client()
+    engine.open_client()  # two clients, one request: the batch waits for the other
+    queued = engine.submit(Request((1, 2, 3), Sampling(3, temperature=0.0)))
+    engine.close()
+    with pytest.raises(RuntimeError, match="the JaxEngine was closed"):
+        queued.result(timeout=5)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit(Request((1, 2, 3), Sampling(3, temperature=0.0)))

@@ -1,6 +1,10 @@
 import logging
 import math
+import threading
+import time
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from mmgrpo_jax.program import Example, Module, ParseError, Predict
@@ -157,3 +161,56 @@ def test_pairs_run_each_program_on_its_example_and_score_failures_zero():
         ("error", 0.0),
     ]
     assert run_pairs(pairs[2:], exact, lm=lm, failure_score=-2.0)[0].reward == -2.0
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [
+        (np.True_, 1.0),
+        (np.float32(0.5), 0.5),
+        (np.int64(2), 2.0),
+        (np.array(0.25), 0.25),
+        (jnp.asarray(0.75), 0.75),
+        (jnp.asarray(True), 1.0),
+        (False, 0.0),
+    ],
+    ids=["np.bool", "np.float32", "np.int64", "0-d numpy", "0-d jax", "jax bool", "bool"],
+)
+def test_any_real_scalar_is_a_reward(value, want):
+    t = run_trajectory(TwoStep(), EXAMPLE, lambda e, p: value, lm=ScriptedLM(lambda m: GOOD))
+    assert (t.status, t.reward) == ("ok", want)
+
+
+@pytest.mark.parametrize(
+    "value", [np.array([1.0, 2.0]), 1 + 2j, np.complex64(1), "1.0", None], ids=str
+)
+def test_a_non_scalar_or_non_real_reward_is_an_error(value):
+    t = run_trajectory(TwoStep(), EXAMPLE, lambda e, p: value, lm=ScriptedLM(lambda m: GOOD))
+    assert t.status == "error" and "expected a real number or a bool" in t.error
+
+
+def test_an_interrupt_does_not_wait_for_the_running_rollouts_and_keeps_the_finished_ones():
+    release = threading.Event()
+
+    def reply(messages):
+        if "slow" in messages[-1]["content"]:
+            release.wait(timeout=30)  # a long sampler call, still running when Ctrl-C comes
+        return GOOD
+
+    examples = [Example(q="fast", a="yes").with_inputs("q")] + [
+        Example(q=f"slow {i}", a="yes").with_inputs("q") for i in range(3)
+    ]
+    finished = []
+
+    def on_result(trajectory):
+        finished.append(trajectory)
+        raise KeyboardInterrupt  # Ctrl-C right after the first rollout came back
+
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        score_pairs(
+            [(TwoStep(), e) for e in examples], exact, lm=ScriptedLM(reply), on_result=on_result
+        )
+    assert time.perf_counter() - start < 10
+    release.set()
+    assert [t.example_index for t in finished] == [0]

@@ -1,0 +1,91 @@
+"""Stopping a run on SIGINT / SIGTERM without ever saving half-updated state.
+
+A signal raises `Interrupted` at once while nothing of the run's state is in flight (rollouts,
+evaluation: the learner still holds the last completed step), and is held back inside
+`deferred()` blocks (an update that donates the train state, a checkpoint write) until the block
+ends. The caller then saves the last completed step and lets `Interrupted` reach the command
+line, which exits with the conventional code (130 for SIGINT, 143 for SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop asked for by a signal; a KeyboardInterrupt so that no `except Exception` eats it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def exit_code(err: KeyboardInterrupt) -> int:
+    """130 for a plain Ctrl-C, 128 + signal for an `Interrupted`."""
+    return err.exit_code if isinstance(err, Interrupted) else 128 + signal.SIGINT
+
+
+class StopSignals:
+    """Installs the SIGINT / SIGTERM handlers for the duration of a `with` block (main thread
+    only; elsewhere Python delivers no signals and this is a no-op) and restores the old ones."""
+
+    def __init__(self) -> None:
+        self._depth = 0  # nesting of deferred() blocks
+        self._pending: int | None = None  # a signal held back by deferred()
+        self._stopping = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self._stopping:
+            logger.warning("%s again: already stopping, the checkpoint is being written", name)
+            return
+        if self._depth > 0:
+            if self._pending is None:
+                logger.warning("%s: stopping once the running update is complete", name)
+            self._pending = signum
+            return
+        self._stopping = True
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A block no signal interrupts; one that arrived inside is raised when it ends."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if self._depth == 0 and self._pending is not None and not self._stopping:
+            signum, self._pending = self._pending, None
+            self._stopping = True
+            raise Interrupted(signum)

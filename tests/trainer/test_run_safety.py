@@ -1,0 +1,306 @@
+"""Run safety: signals stop at a safe point with a good checkpoint, non-finite updates never land,
+one run per run_dir, damaged checkpoints fall back, resumes report the truth."""
+
+import json
+import logging
+import os
+import signal
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mmgrpo_jax
+from mmgrpo_jax import LossConfig, TokenTerms
+from mmgrpo_jax.errors import UserError
+from mmgrpo_jax.rl.losses import VARIANTS
+from mmgrpo_jax.trainer.checkpoint import array_checksums
+from mmgrpo_jax.trainer.interrupt import Interrupted
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO
+from mmgrpo_jax.trainer.run_lock import RunLock
+from tests.trainer.test_mmgrpo import TRAIN, VAL, TwoModules, config, new_model, reward, run
+
+
+def rows(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def params(model):
+    return jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+
+
+def assert_same(a, b):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+class SignalDuringUpdate(MMGRPO):
+    """Sends `signum` to this process while the update of step `at_step` (1-based) runs."""
+
+    def __init__(self, *args, signum, at_step, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.signum, self.at_step = signum, at_step
+
+    def _update(self, learner, batch, guard, step):
+        if step + 1 == self.at_step:
+            os.kill(os.getpid(), self.signum)  # delivered right away, inside the update
+        return super()._update(learner, batch, guard, step)
+
+
+def run_with(cls, tokenizer, cfg, model=None, metric=reward, **kwargs):
+    model = model or new_model(tokenizer)
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    optimizer = cls(metric, cfg, model=model, tokenizer=tokenizer, stop_token_ids=stop, **kwargs)
+    optimizer.compile(TwoModules(), TRAIN, VAL if cfg.eval_every < 100 else ())
+    return model, optimizer
+
+
+# ---------------------------------------------------------------- signals
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_the_update_checkpoints_that_step_and_resumes_bit_identical(
+    tokenizer, tmp_path, signum
+):
+    steps = dict(num_steps=4, checkpoint_every=10, eval_every=100)
+    straight, _ = run(tokenizer, config(tmp_path / "a", **steps))
+    cfg = config(tmp_path / "b", **steps)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.raises(Interrupted) as caught:
+        run_with(SignalDuringUpdate, tokenizer, cfg, signum=signum, at_step=2)
+    assert caught.value.exit_code == 128 + signum
+    run_dir = tmp_path / "b" / "run"
+    # the update that was running completed and is in the checkpoint: step 2, not 1
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2"]
+    assert [r["step"] for r in rows(run_dir) if "loss" in r] == [1.0, 2.0]
+    assert not (run_dir / "run.lock").exists()
+    resumed, _ = run(tokenizer, config(tmp_path / "b", resume=True, **steps))
+    assert_same(params(straight), params(resumed))
+    assert [r["step"] for r in rows(run_dir) if "loss" in r] == [1.0, 2.0, 3.0, 4.0]
+    assert {s: signal.getsignal(s) for s in handlers} == handlers  # the run's handlers are gone
+
+
+# ---------------------------------------------------------------- non-finite updates
+
+
+@pytest.fixture
+def nan_loss():
+    def token_terms(cfg, x):
+        loss = -x.advantages * x.logps * jnp.nan
+        none = jnp.zeros_like(x.mask)
+        return TokenTerms(loss, jnp.ones_like(x.logps), none, none)
+
+    mmgrpo_jax.register_loss("always_nan", token_terms, aggregation="token_mean_global")
+    yield "always_nan"
+    VARIANTS.pop("always_nan")
+
+
+def test_non_finite_updates_are_skipped_and_stop_the_run_with_finite_checkpoints(
+    tokenizer, tmp_path, nan_loss
+):
+    model = new_model(tokenizer)
+    before = params(model)
+    cfg = config(tmp_path, num_steps=6, eval_every=100, loss=LossConfig(nan_loss))
+    with pytest.raises(UserError, match=r"step 3: 3 updates in a row had a non-finite loss"):
+        run(tokenizer, cfg, model)
+    run_dir = tmp_path / "run"
+    logged = rows(run_dir)
+    assert [r["skipped_updates"] for r in logged if "loss" in r] == [1.0, 1.0]
+    assert_same(before, params(model))  # nothing non-finite was ever applied
+    again = config(tmp_path, num_steps=2, eval_every=100, resume=True, loss=LossConfig(nan_loss))
+    resumed, _ = run(tokenizer, again)
+    assert_same(before, params(resumed))  # the checkpoint (step 2) holds the finite start
+
+
+def test_a_non_finite_array_is_never_checkpointed():
+    with pytest.raises(ValueError, match=r"non-finite array: state\['w'\]"):
+        array_checksums({"state": {"w": jnp.array([1.0, jnp.inf]), "n": jnp.array([1])}})
+    sums = array_checksums({"state": {"w": jnp.ones(3, jnp.bfloat16)}})
+    assert list(sums) == ["state['w']"]
+
+
+# ---------------------------------------------------------------- one run per run_dir
+
+
+def test_a_second_run_is_refused_while_another_holds_the_run_dir(tokenizer, tmp_path):
+    cfg = config(tmp_path, num_steps=1, eval_every=100)
+    holder = rf"in use by another run \(pid {os.getpid()} on"
+    with RunLock(tmp_path / "run"), pytest.raises(UserError, match=holder):
+        run(tokenizer, cfg)
+    run(tokenizer, cfg)  # released: the run goes ahead
+    assert not (tmp_path / "run" / "run.lock").exists()
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path, caplog):
+    (tmp_path / "run.lock").write_text(json.dumps({"pid": 99999999, "host": "h", "since": 0}))
+    with caplog.at_level(logging.WARNING), RunLock(tmp_path):
+        held = json.loads((tmp_path / "run.lock").read_text())
+    assert held["pid"] == os.getpid()
+    assert "did not exit cleanly (pid 99999999 on h" in caplog.text
+
+
+# ---------------------------------------------------------------- damaged checkpoints
+
+
+class Crash(BaseException):
+    """Stands in for kill -9: no handler runs, nothing is saved on the way out."""
+
+
+class CrashAt:
+    def __init__(self, at_call):
+        self.calls, self.at_call = 0, at_call
+
+    def __call__(self, example, prediction):
+        self.calls += 1
+        if self.calls == self.at_call:
+            raise Crash
+        return reward(example, prediction)
+
+
+def largest_data_file(step_dir):
+    """The biggest array-data file of a checkpoint's train state: the one restore reads (OCDBT
+    keeps the merged data in state/d/, next to the per-process copies it was merged from)."""
+    files = [p for p in (step_dir / "state" / "d").iterdir() if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip(path):
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def wrong_checksum(path):
+    """Data that reads back fine but differs from what was saved (the checksum path)."""
+    meta = path.parents[2] / "meta" / "metadata"
+    saved = json.loads(meta.read_text())
+    key = sorted(saved["checksums"])[0]
+    saved["checksums"][key] = "00000000"
+    meta.write_text(json.dumps(saved))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [truncate, flip, os.remove, wrong_checksum],
+    ids=["truncated", "flipped", "deleted", "checksum"],
+)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
+    tokenizer, tmp_path, caplog, damage
+):
+    steps = dict(num_steps=3, checkpoint_every=1, eval_every=100)
+    straight, _ = run(tokenizer, config(tmp_path / "a", **steps))
+    with pytest.raises(Crash):  # metric calls: 2 (eval) + 6 + 6, then step 3's
+        run(tokenizer, config(tmp_path / "b", **steps), metric=CrashAt(16))
+    ckpts = tmp_path / "b" / "run" / "checkpoints"
+    damage(largest_data_file(ckpts / "2"))
+    with caplog.at_level(logging.WARNING):
+        resumed, _ = run(tokenizer, config(tmp_path / "b", resume=True, **steps))
+    assert "the checkpoint of step 2 is damaged" in caplog.text
+    assert "resuming from the intact checkpoint of step 1" in caplog.text
+    assert_same(params(straight), params(resumed))  # steps 2 and 3 replayed from step 1
+
+
+def test_no_intact_checkpoint_is_one_clear_error(tokenizer, tmp_path):
+    run(tokenizer, config(tmp_path, num_steps=2, checkpoint_every=1, eval_every=100))
+    for step in ("1", "2"):
+        truncate(largest_data_file(tmp_path / "run" / "checkpoints" / step))
+    with pytest.raises(UserError, match=r"no intact checkpoint in .*step 2: .*; step 1: "):
+        run(tokenizer, config(tmp_path, num_steps=3, eval_every=100, resume=True))
+
+
+def test_leftovers_of_an_unfinished_write_block_nothing(tokenizer, tmp_path):
+    leftover = tmp_path / "run" / "checkpoints" / "3.orbax-checkpoint-tmp-1234"
+    (leftover / "state").mkdir(parents=True)
+    run(tokenizer, config(tmp_path, num_steps=1, eval_every=100))  # a fresh run is not refused
+    assert not leftover.exists()
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["1"]
+
+
+# ---------------------------------------------------------------- resume reports the truth
+
+
+def tensorboard_purges(run_dir):
+    """The steps of the SessionLog START events (TensorBoard's purge markers) in the event files."""
+    from tensorboardX.proto import event_pb2
+
+    steps = []
+    for path in sorted((run_dir / "tensorboard").iterdir()):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            if event.HasField("session_log") and event.session_log.status == 1:
+                steps.append(event.step)
+    return steps
+
+
+def test_a_crash_and_resume_log_one_row_per_step_and_the_uninterrupted_summary(tokenizer, tmp_path):
+    steps = dict(num_steps=4, checkpoint_every=2, eval_every=2)
+    run(tokenizer, config(tmp_path / "a", **steps))
+    want_rows = rows(tmp_path / "a" / "run")
+    # metric calls: 2 (eval at 0) + 6 + 6 + 2 (eval at 2) + 6 + 3: the crash falls in step 4,
+    # after step 3 was logged but not checkpointed (the checkpoint is at 2)
+    with pytest.raises(Crash):
+        run(tokenizer, config(tmp_path / "b", **steps), metric=CrashAt(26))
+    run_dir = tmp_path / "b" / "run"
+    assert [r["step"] for r in rows(run_dir) if "loss" in r] == [1.0, 2.0, 3.0]
+    (run_dir / "run.lock").write_text(json.dumps({"pid": 99999999, "host": "h", "since": 0}))
+    run(tokenizer, config(tmp_path / "b", resume=True, **steps))
+    got_rows = rows(run_dir)
+
+    def numbers(rs):  # everything but timings, which differ from run to run
+        return [{k: v for k, v in r.items() if "time" not in k and "per_s" not in k} for r in rs]
+
+    assert numbers(got_rows) == numbers(want_rows)
+    want = json.loads((tmp_path / "a" / "run" / "summary.json").read_text())
+    got = json.loads((run_dir / "summary.json").read_text())
+    assert got.pop("wall_seconds") > 0 and want.pop("wall_seconds") > 0
+    assert got == want and got["eval_reward_before"] == want_rows[0]["eval_reward"]
+    assert tensorboard_purges(run_dir)[-1] == 3  # the rows of step 3 and after are replaced
+
+    # resuming a finished run changes nothing
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    run(tokenizer, config(tmp_path / "b", resume=True, **steps))
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_a_resume_with_a_changed_config_is_refused_listing_the_differences(tokenizer, tmp_path):
+    run(tokenizer, config(tmp_path, num_steps=1, eval_every=100))
+    changed = config(
+        tmp_path,
+        num_steps=3,
+        eval_every=100,
+        resume=True,
+        seed=1,
+        optim=mmgrpo_jax.OptimConfig(lr=1e-3, micro_batch_size=8, decay="linear"),
+    )
+    with pytest.raises(UserError, match=r"optim.lr: 0.05 -> 0.001, seed: 0 -> 1; resume with"):
+        run(tokenizer, changed)
+
+
+# ---------------------------------------------------------------- a metric that always fails
+
+
+def test_a_metric_that_raises_on_every_rollout_stops_the_run(tokenizer, tmp_path):
+    def broken(example, prediction):
+        raise KeyError("answer")
+
+    cfg = config(tmp_path, num_steps=5, eval_every=100, max_failed_steps=2)
+    with pytest.raises(
+        UserError,
+        match=r"step 2: 6 of 6 rollouts raised, 2 steps in a row .*"
+        r"metric raised KeyError: 'answer'",
+    ):
+        run(tokenizer, cfg, metric=broken)
+    assert [r["step"] for r in rows(tmp_path / "run") if "loss" in r] == [
+        1.0
+    ]  # step 2 was never trained on
