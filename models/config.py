@@ -17,6 +17,10 @@ ARCHITECTURES = {
 }
 
 
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded as asked; the message names the file."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 frequency scaling (`rope_type: llama3`); None in ModelConfig means plain RoPE."""
@@ -181,7 +185,12 @@ class ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no config.json at {str(path)!r}")
-        return cls.from_hf(json.loads(path.read_text()))
+        try:
+            return cls.from_hf(json.loads(path.read_text()))
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{str(path)!r} is not valid JSON: {err}") from None
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{str(path)!r}: {err}") from None
 
     def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
         """A config.json dict transformers loads (transformers-5 layout)."""

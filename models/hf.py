@@ -12,6 +12,7 @@ import os
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from safetensors import safe_open
 
-from models.config import ModelConfig
+from models.config import CheckpointError, ModelConfig
 from models.decoder import Decoder
 from models.lora import LoRAConfig
 from models.sharding import param_sharding, path_name
@@ -50,10 +51,13 @@ class SafetensorsCheckpoint:
         index = self.directory / "model.safetensors.index.json"
         single = self.directory / "model.safetensors"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as err:
+                raise CheckpointError(f"{str(index)!r} is not a safetensors index: {err}") from None
             self.files = {key: self.directory / name for key, name in weight_map.items()}
         elif single.is_file():
-            with safe_open(single, framework="np") as f:
+            with _open(single) as f:
                 self.files = {key: single for key in f.keys()}  # noqa: SIM118 (not a dict)
         else:
             raise FileNotFoundError(
@@ -71,8 +75,18 @@ class SafetensorsCheckpoint:
     def get(self, key: str) -> np.ndarray:
         if key not in self.files:
             raise KeyError(f"tensor {key!r} is not in the checkpoint at {str(self.directory)!r}")
-        with safe_open(self.files[key], framework="np") as f:
+        with _open(self.files[key]) as f:
             return f.get_tensor(key)
+
+
+def _open(path: Path) -> Any:
+    """safe_open, with an error that names the file (a truncated download, say)."""
+    try:
+        return safe_open(path, framework="np")
+    except Exception as err:  # safetensors raises its own SafetensorError
+        raise CheckpointError(
+            f"{str(path)!r} is not a readable safetensors file ({err}); download or save it again"
+        ) from None
 
 
 def _lora_value(path: Sequence[object], shape: tuple[int, ...], dtype, seed: int) -> jax.Array:

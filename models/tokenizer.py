@@ -13,6 +13,8 @@ from pathlib import Path
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from models.config import CheckpointError
+
 # Jinja chat templates of the two families we support, reduced to what the programs use.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -52,15 +54,31 @@ TEMPLATES = {
 
 HFTokenizer = transformers.PreTrainedTokenizerBase
 
+# what AutoTokenizer can build a fast tokenizer from without sentencepiece or tiktoken
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
 
 def load_tokenizer(path: str | Path) -> HFTokenizer:
     """The tokenizer of a local checkpoint directory; it must carry a chat template."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    found = [name for name in TOKENIZER_FILES if (path / name).is_file()]
+    if not found:
+        raise CheckpointError(
+            f"no tokenizer in {str(path)!r}: none of {list(TOKENIZER_FILES)} is there (copy the "
+            "tokenizer files of the model next to its weights)"
+        )
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        first = " ".join(str(err).split())[:300]
+        raise CheckpointError(f"the tokenizer in {str(path)!r} cannot be loaded: {first}") from None
     if not tokenizer.chat_template:
-        raise ValueError(f"the tokenizer in {str(path)!r} has no chat_template")
+        raise CheckpointError(
+            f"the tokenizer in {str(path)!r} has no chat_template: use the instruct (chat) "
+            "checkpoint, or add a chat_template.jinja"
+        )
     return tokenizer
 
 

@@ -104,20 +104,26 @@ def _retriever(cfg: TaskConfig):
     return BM25Retriever(Path(corpus))
 
 
+def load_splits(cfg: TaskConfig) -> Splits:
+    """The task's examples alone (local files, no model): enough to check sizes up front."""
+    if cfg.name == "banking77":
+        return banking77.load_banking77(cfg.data_dir, cfg.split_seed)
+    if cfg.name == "papillon":
+        return papillon.load_pupa(cfg.data_dir)
+    return hover.load_hover(cfg.data_dir, cfg.split_seed)
+
+
 def build_task(cfg: TaskConfig, local_lm: LocalLM | None = None) -> Task:
     """`local_lm(max_tokens, temperature)` gives the frozen base model, when a role needs it."""
+    splits = load_splits(cfg)
     if cfg.name == "banking77":
         labels = banking77.label_names(cfg.data_dir)
-        return Task(
-            banking77.Banking77(labels),
-            banking77.exact_match,
-            banking77.load_banking77(cfg.data_dir, cfg.split_seed),
-        )
+        return Task(banking77.Banking77(labels), banking77.exact_match, splits)
     if cfg.name == "papillon":
         program = papillon.Papillon(
             external_or_local_lm(cfg.untrusted_lm, local_lm, "untrusted LM")
         )
         judge = papillon.PapillonJudge(external_or_local_lm(cfg.judge_lm, local_lm, "judge LM"))
-        return Task(program, judge, papillon.load_pupa(cfg.data_dir))
+        return Task(program, judge, splits)
     program = hover.HoverMultiHop(_retriever(cfg), cfg.hops, cfg.passages_per_hop)
-    return Task(program, hover.title_recall, hover.load_hover(cfg.data_dir, cfg.split_seed))
+    return Task(program, hover.title_recall, splits)

@@ -1,13 +1,24 @@
-"""`mmgrpo` command line: pick a subcommand and a config file, override fields, nothing else."""
+"""`mmgrpo` command line: pick a subcommand and a config file, override fields, nothing else.
+
+Exit codes: 0 done; 2 a user error (a bad value, path or run directory: one line on stderr, no
+traceback); 130 / 143 stopped by SIGINT / SIGTERM (training writes the checkpoint of the last
+completed step first). Any other failure is a bug and shows its full traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 from mmgrpo_jax.cli.config import load_config
+from mmgrpo_jax.errors import UserError
+from mmgrpo_jax.trainer.interrupt import Interrupted, exit_code
+from models.config import CheckpointError
 
 
 def _config_arguments(parser: argparse.ArgumentParser, what: str) -> None:
@@ -56,7 +67,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     evaluate.add_argument("--limit", help="first N examples of the split")
     evaluate.add_argument("--out", help="predictions JSONL path")
     _config_arguments(evaluate, "EvalConfig")
-    args = parser.parse_args(argv)
+    # key=value overrides may come before, between or after the options
+    args, extra = parser.parse_known_args(argv)
+    unknown = [x for x in extra if x.startswith("-") or "=" not in x]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *extra]
 
     if args.command == "demo":
         from mmgrpo_jax.cli import demo as module
@@ -94,10 +110,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     try:
-        return run(config, sys.stdout)
-    except (FileNotFoundError, MemoryError) as err:  # a path or a machine, not a bug: no traceback
-        print(f"mmgrpo {args.command}: {err}", file=sys.stderr)
+        with _sigterm_interrupts():
+            return run(config, sys.stdout)
+    # a value, a path, a run directory or a machine, not a bug: one line, no traceback
+    except (UserError, CheckpointError, FileNotFoundError, MemoryError) as err:
+        print(f"mmgrpo {args.command}: {_one_line(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:
+        why = err.signal_name if isinstance(err, Interrupted) else "SIGINT"
+        notes = "; ".join(getattr(err, "__notes__", ()))
+        print(
+            f"mmgrpo {args.command}: stopped by {why}{'; ' + notes if notes else ''}",
+            file=sys.stderr,
+        )
+        return exit_code(err)
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM stops a command the way Ctrl-C does (training installs its own handlers on top,
+    which save a checkpoint first)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """Configuration front end: a frozen dataclass, filled from a YAML file, then `key=value` overrides.
 
 Nested dataclasses are addressed with dotted keys (``loss.variant=dapo``). Values are read as YAML
-scalars, so ``3``, ``0.5``, ``true`` and ``null`` get their natural types; the dataclass's own
+scalars, so ``3``, ``0.5``, ``1e-5``, ``true`` and ``null`` get their natural types (numbers as
+YAML 1.2 reads them: YAML 1.1 would take ``1e-5`` for a string); the dataclass's own
 `__post_init__` then validates them. Unknown keys are errors that list the valid ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -17,6 +19,27 @@ from typing import Any, TypeVar
 import yaml
 
 C = TypeVar("C")
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 floats: an exponent without a dot (``1e-5``) is a number."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _parse(text: str, where: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # a SafeLoader: no arbitrary objects
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{where} is not valid YAML: {problem}{at}") from None
 
 
 def _build(cls: type[C], values: Mapping[str, Any], where: str) -> C:
@@ -98,12 +121,12 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = _parse(path.read_text(), f"config file {str(path)!r}") or {}
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep or not key:
             raise ValueError(f"override {override!r} must look like key=value")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+        _set_dotted(tree, key.strip(), _parse(raw, f"override {override!r}"))
     return _build(cls, tree, "")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -20,7 +21,8 @@ from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.rl.rollout import quiet_failure_warnings
 from mmgrpo_jax.testing import word_policy
 from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
-from mmgrpo_jax.trainer.mmgrpo import MMGRPO
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, check_run_dir
+from models.config import ModelConfig
 from models.decoder import Decoder
 from programs import synthetic
 
@@ -39,10 +41,14 @@ class DemoConfig:
     hidden_size: int = 32
     num_layers: int = 2
     seed: int = 0
-    run_dir: str | None = None  # default: runs/demo-<time>
+    checkpoint_every: int = 50
+    run_dir: str | None = None  # default: a new runs/demo-<time>-<suffix>
+    resume: bool = False  # continue the run in run_dir from its newest checkpoint
     progress: bool = True
 
     def __post_init__(self) -> None:
+        """Every value is checked here, before a model is built: the trainer's own checks run
+        on the config this demo would hand it."""
         if self.grouping not in ("module", "trajectory"):
             raise ValueError(
                 f"DemoConfig.grouping must be 'module' or 'trajectory', got {self.grouping!r}"
@@ -50,12 +56,32 @@ class DemoConfig:
         for name in ("num_steps", "num_rollouts", "examples_per_step", "hidden_size", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.resume and self.run_dir is None:
+            raise ValueError("DemoConfig.resume=true needs the run_dir of the run to continue")
+        examples = len(trainset())
+        if self.examples_per_step > examples:
+            raise ValueError(
+                f"DemoConfig.examples_per_step must be <= {examples} (the demo's trainset), "
+                f"got {self.examples_per_step}"
+            )
+        try:
+            ModelConfig.tiny(len(VOCABULARY) + 8, hidden_size=self.hidden_size)
+            mmgrpo_config(self, self.run_dir or "runs/demo")
+        except ValueError as err:
+            raise ValueError(f"DemoConfig: {err}") from None
+
+
+VOCABULARY = (*synthetic.SIGN_WORDS, *synthetic.DOORS)
+
+
+def trainset() -> list:
+    return synthetic.two_door_examples(repeats=4)
 
 
 def tiny_policy(config: DemoConfig) -> tuple[Decoder, PreTrainedTokenizerFast]:
     """A from-scratch Llama-architecture decoder over a word vocabulary of the task's words."""
     return word_policy(
-        [*synthetic.SIGN_WORDS, *synthetic.DOORS],
+        VOCABULARY,
         hidden_size=config.hidden_size,
         num_layers=config.num_layers,
         seed=config.seed,
@@ -73,29 +99,38 @@ def mmgrpo_config(config: DemoConfig, run_dir: str | Path) -> MMGRPOConfig:
         loss=LossConfig(config.loss, epsilon_high=config.epsilon_high, beta=config.beta),
         optim=OptimConfig(lr=config.lr, decay="linear", micro_batch_size=128),
         eval_every=10,
-        checkpoint_every=50,
+        checkpoint_every=config.checkpoint_every,
         seed=config.seed,
         run_dir=str(run_dir),
+        resume=config.resume,
         # one word: the bare predictors' whole reply
         sampler=SamplerConfig(max_completion_tokens=1, batch=128, max_wait_s=1.0),
         progress=config.progress,
     )
 
 
+def new_run_dir(parent: str | Path = "runs") -> Path:
+    """A run directory no other run has: the time, and a suffix that is unique even for runs
+    started in the same second (the directory is created here, atomically)."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    Path(parent).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"demo-{stamp}-", dir=parent))
+
+
 def run_demo(config: DemoConfig) -> dict[str, Any]:
     """Train and return summary.json's content."""
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(config.run_dir or f"runs/demo-{stamp}")
+    run_dir = Path(config.run_dir) if config.run_dir else new_run_dir()
+    settings = mmgrpo_config(config, run_dir)
+    check_run_dir(settings)  # before the model is built
     model, tokenizer = tiny_policy(config)
     optimizer = MMGRPO(
         synthetic.two_door_metric,
-        mmgrpo_config(config, run_dir),
+        settings,
         model=model,
         tokenizer=tokenizer,
         stop_token_ids=[tokenizer.eos_token_id],
     )
-    trainset = synthetic.two_door_examples(repeats=4)
-    optimizer.compile(synthetic.TwoDoors(), trainset, synthetic.two_door_examples())
+    optimizer.compile(synthetic.TwoDoors(), trainset(), synthetic.two_door_examples())
     return {**optimizer.summary, "run_dir": str(run_dir)}
 
 

@@ -24,18 +24,33 @@ import jax.numpy as jnp
 from mmgrpo_jax.cli.config import config_to_dict
 from mmgrpo_jax.engines.base import Sampling
 from mmgrpo_jax.engines.lm import EngineLM
+from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.prompt_opt.better_together import BetterTogether, parse_strategy
 from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
 from mmgrpo_jax.rl.rollout import score_examples, summarize
+from mmgrpo_jax.rl.types import Trajectory
 from mmgrpo_jax.trainer.config import MMGRPOConfig
-from mmgrpo_jax.trainer.mmgrpo import MMGRPO, default_engine, evaluate, load_policy
+from mmgrpo_jax.trainer.mmgrpo import (
+    MMGRPO,
+    check_run_dir,
+    default_engine,
+    evaluate,
+    load_policy,
+)
 from models.decoder import Decoder
 from models.export import adapter_lora_config, load_peft_adapter, save_peft_adapter, without_lora
 from models.hf import load_checkpoint
 from models.tokenizer import HFTokenizer
-from programs.tasks import ExternalLMConfig, Task, TaskConfig, build_task, external_or_local_lm
+from programs.tasks import (
+    ExternalLMConfig,
+    Task,
+    TaskConfig,
+    build_task,
+    external_or_local_lm,
+    load_splits,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +201,21 @@ def _save_run(cfg: ExperimentConfig, run_dir: Path, program: Module | None) -> N
     (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
 
 
+def preflight(cfg: ExperimentConfig) -> None:
+    """What a training command would refuse, checked before the model is read: the size of the
+    trainset against examples_per_step, and the run directory."""
+    trainset = _first(load_splits(cfg.task).train, cfg.train_limit)
+    if cfg.mmgrpo.examples_per_step > len(trainset):
+        raise UserError(
+            f"mmgrpo.examples_per_step={cfg.mmgrpo.examples_per_step} is larger than the "
+            f"trainset of {cfg.task.name} ({len(trainset)} examples"
+            f"{'' if cfg.train_limit is None else f', train_limit={cfg.train_limit}'})"
+        )
+    check_run_dir(cfg.mmgrpo)
+
+
 def run_train(cfg: ExperimentConfig) -> dict[str, Any]:
+    preflight(cfg)
     policy = Policy(cfg)
     try:
         optimizer = policy.mmgrpo()
@@ -225,6 +254,8 @@ def run_optimize_prompts(
 
 def run_better_together(cfg: ExperimentConfig) -> dict[str, Any]:
     """The strategy's stages; the best stage's prompts and adapter are saved under best/."""
+    if "w" in parse_strategy(cfg.strategy):
+        preflight(cfg)
     policy = Policy(cfg)
     try:
         weights = policy.mmgrpo()
@@ -266,21 +297,38 @@ def load_eval_policy(cfg: EvalConfig) -> tuple[Decoder, HFTokenizer, tuple[int, 
 def evaluate_task(
     task: Task, examples: list[Example], lm: EngineLM, out: Path, progress: bool = True
 ) -> dict[str, Any]:
-    """Greedy run over `examples`; failures score 0; one JSONL line per example."""
-    trajectories = score_examples(task.program, examples, task.metric, lm=lm, progress=progress)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """Greedy run over `examples`; failures score 0; one JSONL line per example, written as
+    each finishes (an interrupted evaluation keeps those), in example order once all are in."""
+
+    def record(t: Trajectory) -> str:
+        example = examples[t.example_index]
+        line = {
+            "index": t.example_index,
+            "inputs": example.inputs(),
+            "labels": example.labels(),
+            "prediction": None if t.prediction is None else dict(t.prediction),
+            "score": t.reward,
+            "status": t.status,
+            "error": t.error,
+        }
+        return json.dumps(line, ensure_ascii=False, default=str) + "\n"
+
     with out.open("w", encoding="utf-8") as f:
-        for example, t in zip(examples, trajectories, strict=True):
-            record = {
-                "index": t.example_index,
-                "inputs": example.inputs(),
-                "labels": example.labels(),
-                "prediction": None if t.prediction is None else dict(t.prediction),
-                "score": t.reward,
-                "status": t.status,
-                "error": t.error,
-            }
-            f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+        kept = [0]
+
+        def keep(t: Trajectory) -> None:
+            f.write(record(t))
+            f.flush()
+            kept[0] += 1
+
+        try:
+            trajectories = score_examples(
+                task.program, examples, task.metric, lm=lm, progress=progress, on_result=keep
+            )
+        except KeyboardInterrupt as err:
+            err.add_note(f"{kept[0]} of {len(examples)} predictions kept in {str(out)!r}")
+            raise
+    out.write_text("".join(record(t) for t in trajectories), encoding="utf-8")
     counts = summarize(trajectories)
     return {
         "metric": counts["reward_mean"],
@@ -291,7 +339,20 @@ def evaluate_task(
     }
 
 
+def writable_output(path: Path) -> Path:
+    """`path`, after making sure a file can be written there (before hours of evaluation)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as err:
+        raise UserError(f"EvalConfig.out={str(path)!r} cannot be written: {err.strerror}") from None
+    return path
+
+
 def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = writable_output(Path(cfg.out or f"runs/eval-{cfg.task.name}-{cfg.split}-{stamp}.jsonl"))
     model, tokenizer, stop = load_eval_policy(cfg)
     frozen = FrozenBaseLMs(model, tokenizer, stop)
     policy = EngineLM.local(
@@ -300,8 +361,6 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
         sampling=Sampling(cfg.max_completion_tokens, temperature=0.0),
         stop_token_ids=stop,
     )
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(cfg.out or f"runs/eval-{cfg.task.name}-{cfg.split}-{stamp}.jsonl")
     try:
         task = build_task(cfg.task, frozen)
         examples = _first(task.splits.get(cfg.split), cfg.limit)

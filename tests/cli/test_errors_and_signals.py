@@ -1,0 +1,218 @@
+"""The command line's contract: user errors are one line and exit 2 before any model is built;
+SIGINT / SIGTERM exit 130 / 143 with the checkpoint written; overrides go anywhere."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mmgrpo_jax import cli
+from mmgrpo_jax.cli import demo, experiment
+from mmgrpo_jax.cli.config import load_config
+from mmgrpo_jax.trainer.config import MMGRPOConfig
+from mmgrpo_jax.trainer.run_lock import RunLock
+from tests.tiny_checkpoint import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fails the test if a command gets as far as building or loading a model."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built before the user error was reported")
+
+    monkeypatch.setattr(demo, "tiny_policy", refuse)
+    monkeypatch.setattr(experiment, "load_policy", refuse)
+    monkeypatch.setattr(experiment, "load_eval_policy", refuse)
+
+
+def one_line_error(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "Traceback" not in "\n".join(err)
+    return err[-1]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("num_rollouts=1", "num_rollouts must be >= 2"),
+        ("lr=0", "OptimConfig.lr must be > 0, got 0"),
+        ("loss=foo", "LossConfig.variant must be a registered loss"),
+        ("beta=-1.0", "LossConfig.beta must be >= 0, got -1.0"),
+        ("hidden_size=2", "hidden_size=2 is not a multiple of num_heads=4"),
+        ("seed=-1", "MMGRPOConfig.seed must be >= 0, got -1"),
+        ("examples_per_step=100", "examples_per_step must be <= 16"),
+        ("resume=true", "resume=true needs the run_dir"),
+        ("checkpoint_every=0", "checkpoint_every must be >= 1, got 0"),
+    ],
+)
+def test_demo_values_are_refused_in_one_line_before_the_model_is_built(
+    capsys, no_model, override, message
+):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["demo", override])
+    assert exited.value.code == 2
+    assert message in one_line_error(capsys)
+
+
+def test_overrides_go_before_between_and_after_options_and_read_1e_5_as_a_number(
+    tmp_path, monkeypatch
+):
+    seen = {}
+    monkeypatch.setattr(demo, "main", lambda config, out: seen.setdefault("config", config) and 0)
+    argv = ["demo", "lr=1e-5", "--grouping", "trajectory", "num_steps=3", "--config"]
+    (tmp_path / "demo.yaml").write_text("seed: 4\nbeta: 2e-2\n")
+    assert cli.main([*argv, str(tmp_path / "demo.yaml"), "num_rollouts=4"]) == 0
+    got = seen["config"]
+    assert (got.lr, got.grouping, got.num_steps, got.num_rollouts) == (1e-5, "trajectory", 3, 4)
+    assert (got.seed, got.beta) == (4, 0.02)
+
+
+def test_yaml_numbers_as_users_write_them(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optim: {lr: 1e-5, weight_decay: 1E-2}\nloss: {epsilon: 2e-1}\n")
+    cfg = load_config(MMGRPOConfig, path, ["failure_score=-5e-1"])
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.loss.epsilon) == (1e-5, 0.01, 0.2)
+    assert cfg.failure_score == -0.5
+
+
+def test_invalid_yaml_is_one_line_naming_the_file_and_place(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("num_steps: 3\nloss: {variant: dapo\n")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["demo", "--config", str(path)])
+    assert exited.value.code == 2
+    line = one_line_error(capsys)
+    assert "bad.yaml' is not valid YAML" in line and "line 3" in line
+
+
+def test_a_run_dir_in_use_is_refused_in_one_line(tmp_path, capsys, no_model):
+    with RunLock(tmp_path / "run"):
+        assert cli.main(["demo", f"run_dir={tmp_path / 'run'}", "progress=false"]) == 2
+    assert f"is in use by another run (pid {os.getpid()} on" in one_line_error(capsys)
+
+
+def experiment_config(tmp_path, checkpoint, **mmgrpo_fields):
+    fields = {"model_path": str(checkpoint), "run_dir": str(tmp_path / "run"), **mmgrpo_fields}
+    path = tmp_path / "train.yaml"
+    path.write_text(json.dumps({"task": {"name": "banking77"}, "mmgrpo": fields}))
+    return path
+
+
+def test_train_refuses_a_too_large_step_and_a_used_run_dir_before_loading(
+    tmp_path, checkpoint, capsys, no_model
+):
+    path = experiment_config(tmp_path, checkpoint, examples_per_step=4)
+    argv = ["train", "--config", str(path), "train_limit=3"]
+    assert cli.main(argv) == 2
+    assert "examples_per_step=4 is larger than the trainset of banking77 (3 examples, " in (
+        one_line_error(capsys)
+    )
+    (tmp_path / "run" / "checkpoints" / "5").mkdir(parents=True)
+    assert cli.main(["train", "--config", str(path)]) == 2
+    assert "already holds checkpoints of another run (steps [5])" in one_line_error(capsys)
+
+
+def damage_tokenizer(directory):
+    (directory / "tokenizer.json").unlink()
+
+
+def truncate_weights(directory):
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+
+
+def bad_config_json(directory):
+    (directory / "config.json").write_text("{not json")
+
+
+def unsupported_model_type(directory):
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+
+
+def no_chat_template(directory):
+    for path in directory.glob("chat_template*"):
+        path.unlink()
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (truncate_weights, "model.safetensors' is not a readable safetensors file"),
+        (bad_config_json, "config.json' is not valid JSON"),
+        (unsupported_model_type, "model_type 'gpt2' is not supported"),
+        (no_chat_template, "has no chat_template: use the instruct (chat) checkpoint"),
+        (damage_tokenizer, "no tokenizer in"),
+    ],
+)
+def test_a_broken_checkpoint_is_one_line_naming_the_file(
+    tmp_path, capsys, checkpoint, damage, message
+):
+    broken = write_tiny_checkpoint(tmp_path / "broken")
+    damage(broken)
+    argv = ["eval", "--program", "banking77", "--model", str(broken), "--limit", "1"]
+    assert cli.main([*argv, f"out={tmp_path / 'p.jsonl'}"]) == 2
+    assert message in one_line_error(capsys)
+
+
+def test_an_unwritable_eval_output_is_refused_before_the_model_loads(
+    tmp_path, checkpoint, capsys, no_model
+):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    argv = ["eval", "--program", "banking77", "--model", str(checkpoint)]
+    assert cli.main([*argv, "--out", str(blocker / "p.jsonl")]) == 2
+    assert "EvalConfig.out=" in one_line_error(capsys)
+
+
+# ---------------------------------------------------------------- signals, as a user sends them
+
+
+def start_demo(run_dir, *extra):
+    argv = [sys.executable, "-m", "mmgrpo_jax.cli", "demo", f"run_dir={run_dir}"]
+    argv += ["num_steps=40", "num_rollouts=4", "examples_per_step=4", "checkpoint_every=100"]
+    argv += ["progress=false", *extra]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(Path(__file__).parents[2])}
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_demo_exits_128_plus_n_with_a_checkpoint_and_resumes(tmp_path, signum):
+    run_dir = tmp_path / "demo"
+    process = start_demo(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics.is_file() and sum(1 for _ in metrics.open()) >= 4:
+            break
+        time.sleep(0.2)
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signum, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"mmgrpo demo: stopped by {signal.Signals(signum).name}; ")
+    assert "resume=true continues the run" in last
+    assert "Traceback" not in err
+    [saved] = [p.name for p in (run_dir / "checkpoints").iterdir()]
+    logged = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert int(saved) == max(r["step"] for r in logged if "loss" in r)
+    resumed = start_demo(run_dir, "resume=true", "num_steps=" + str(int(saved) + 1))
+    out, err = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, err
+    assert json.loads(out)["steps"] == int(saved) + 1
