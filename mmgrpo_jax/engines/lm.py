@@ -37,6 +37,8 @@ class EngineLM:
         owns_engine: bool = False,
     ) -> None:
         self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
+        if max_prompt_tokens is not None and max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1 or None, got {max_prompt_tokens}")
         self.max_prompt_tokens = max_prompt_tokens
         self._owns_engine = owns_engine
 

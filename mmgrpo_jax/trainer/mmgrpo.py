@@ -266,8 +266,9 @@ class _Guard:
             raise UserError(
                 f"step {step + 1}: {limit} updates in a row had a non-finite loss, gradient norm "
                 f"or result (loss={metrics.get('loss')}, grad_norm={metrics.get('grad_norm')}) "
-                "and were skipped; no checkpoint holds them. Lower optim.lr (now "
-                f"{self.config.optim.lr}) or optim.max_grad_norm and resume"
+                "and were skipped; no checkpoint holds them. Start again in a fresh run_dir with "
+                f"a lower optim.lr (now {self.config.optim.lr}) or optim.max_grad_norm (now "
+                f"{self.config.optim.max_grad_norm})"
             )
 
     def check_rollouts(self, trajectories: Sequence[Trajectory], step: int) -> None:

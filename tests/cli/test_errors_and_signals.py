@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 
 from mmgrpo_jax import cli
@@ -216,3 +217,44 @@ def test_a_signal_to_the_demo_exits_128_plus_n_with_a_checkpoint_and_resumes(tmp
     out, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err
     assert json.loads(out)["steps"] == int(saved) + 1
+
+
+def test_a_nan_producing_learning_rate_leaves_no_non_finite_value_in_any_checkpoint(tmp_path):
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from mmgrpo_jax.errors import UserError
+
+    config = demo.DemoConfig(
+        num_steps=10, lr=1e5, checkpoint_every=1, run_dir=str(tmp_path), progress=False
+    )
+    with pytest.raises(UserError, match="updates in a row had a non-finite"):
+        demo.run_demo(config)
+    manager = ocp.CheckpointManager(tmp_path / "checkpoints")
+    assert manager.all_steps()
+    for step in manager.all_steps():
+        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        for leaf in jax.tree.leaves(state.state):
+            assert np.all(np.isfinite(np.asarray(leaf, np.float64))), step
+    manager.close()
+
+
+def test_demo_run_dirs_are_unique_within_a_second(tmp_path):
+    made = {demo.new_run_dir(tmp_path) for _ in range(20)}
+    assert len(made) == 20 and all(p.is_dir() for p in made)
+
+
+def test_a_second_demo_into_a_running_demos_run_dir_is_refused_and_the_first_finishes(
+    tmp_path, capsys
+):
+    run_dir = tmp_path / "demo"
+    first = start_demo(run_dir, "num_steps=6")
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").is_file() and time.monotonic() < deadline:  # training
+        time.sleep(0.1)
+    assert cli.main(["demo", f"run_dir={run_dir}", "seed=1", "progress=false"]) == 2
+    assert f"in use by another run (pid {first.pid} on" in one_line_error(capsys)
+    out, err = first.communicate(timeout=240)
+    assert first.returncode == 0, err
+    meta = json.loads((run_dir / "checkpoints" / "6" / "meta" / "metadata").read_text())
+    assert meta["config"]["seed"] == 0 and json.loads(out)["steps"] == 6
