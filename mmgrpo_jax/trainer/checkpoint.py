@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import zlib
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,9 @@ class Checkpointer:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self.resume = resume
+        self._unraisable = sys.unraisablehook
+        sys.unraisablehook = self._drop_closed_loop_callbacks
+        logging.getLogger("asyncio").addFilter(_drop_abandoned_reads)
 
     def save(
         self,
@@ -178,6 +182,24 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+        if sys.unraisablehook == self._drop_closed_loop_callbacks:
+            sys.unraisablehook = self._unraisable
+        logging.getLogger("asyncio").removeFilter(_drop_abandoned_reads)
+
+    def _drop_closed_loop_callbacks(self, unraisable: Any) -> None:
+        """A failed read leaves orbax's pending reads calling back into its closed event loop:
+        dozens of "Event loop is closed" tracebacks that would bury the one warning above."""
+        err = unraisable.exc_value
+        if isinstance(err, RuntimeError) and str(err) == "Event loop is closed":
+            return
+        self._unraisable(unraisable)
+
+
+def _drop_abandoned_reads(record: logging.LogRecord) -> bool:
+    """The other reads of a damaged checkpoint fail too, and asyncio logs each one later."""
+    message = record.getMessage()
+    abandoned = message.startswith("Task exception was never retrieved")
+    return not (abandoned and "deserialize" in message)
 
 
 def _first_line(err: BaseException) -> str:
