@@ -171,10 +171,10 @@ def _run_jobs(
     # workers are busy: min(workers, unfinished jobs), registered before any job starts (else the
     # first request would be sent alone) and lowered as the last jobs finish.
     batching = isinstance(lm, BatchingLM)
-    finished, lock = [0], threading.Lock()
-    if batching:
-        for _ in range(min(workers, len(jobs))):
-            lm.open_client()
+    lock = threading.Lock()
+    finished, registered = [0], [min(workers, len(jobs)) if batching else 0]
+    for _ in range(registered[0]):
+        lm.open_client()
 
     def job(spec: tuple[Module, Example, int, int]) -> Trajectory:
         program, example, e, r = spec
@@ -190,13 +190,21 @@ def _run_jobs(
                 format_failure_score=format_failure_score,
             )
         finally:
-            if batching:
-                with lock:
-                    busy_before = min(workers, len(jobs) - finished[0])
-                    finished[0] += 1
-                    busy_after = min(workers, len(jobs) - finished[0])
-                if busy_after < busy_before:
-                    lm.close_client()
+            with lock:
+                busy_before = min(workers, len(jobs) - finished[0])
+                finished[0] += 1
+                busy_after = min(workers, len(jobs) - finished[0])
+                release = registered[0] > 0 and busy_after < busy_before
+                registered[0] -= release
+            if release:
+                lm.close_client()
+
+    def release_all() -> None:
+        """An abandoned run gives its clients back at once (cancelled jobs never finish)."""
+        with lock:
+            count, registered[0] = registered[0], 0
+        for _ in range(count):
+            lm.close_client()
 
     # Not `with`: an interrupt must not wait for the running jobs (their LM calls fail once
     # the engine is closed); the queued ones are cancelled.
@@ -221,6 +229,7 @@ def _run_jobs(
                 bar.update()
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
+        release_all()
         raise
     pool.shutdown()
     return results

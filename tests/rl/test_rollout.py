@@ -214,3 +214,17 @@ def test_an_interrupt_does_not_wait_for_the_running_rollouts_and_keeps_the_finis
     assert time.perf_counter() - start < 10
     release.set()
     assert [t.example_index for t in finished] == [0]
+
+
+def test_an_interrupted_run_gives_back_every_client_it_registered():
+    lm = CountingLM()
+    examples = [Example(q=f"x{i}", a="yes").with_inputs("q") for i in range(6)]
+
+    def interrupt(trajectory):
+        raise KeyboardInterrupt
+
+    pairs = [(TwoStep(), e) for e in examples]
+    with pytest.raises(KeyboardInterrupt):
+        run_pairs(pairs, exact, lm=lm, max_workers=2, on_result=interrupt)
+    time.sleep(0.5)  # the running jobs finish in the background
+    assert lm.opened == 2 and lm.open == 0
