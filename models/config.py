@@ -189,7 +189,9 @@ class ModelConfig:
             return cls.from_hf(json.loads(path.read_text()))
         except json.JSONDecodeError as err:
             raise CheckpointError(f"{str(path)!r} is not valid JSON: {err}") from None
-        except (KeyError, TypeError, ValueError) as err:
+        except KeyError as err:
+            raise CheckpointError(f"{str(path)!r} lacks the field {err}") from None
+        except ValueError as err:  # our checks of the values (model_type, head counts, ...)
             raise CheckpointError(f"{str(path)!r}: {err}") from None
 
     def to_hf(self, dtype: str = "float32") -> dict[str, Any]:

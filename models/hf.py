@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from models.config import CheckpointError, ModelConfig
 from models.decoder import Decoder
@@ -83,7 +83,9 @@ def _open(path: Path) -> Any:
     """safe_open, with an error that names the file (a truncated download, say)."""
     try:
         return safe_open(path, framework="np")
-    except Exception as err:  # safetensors raises its own SafetensorError
+    except OSError as err:
+        raise CheckpointError(f"{str(path)!r} cannot be read: {err.strerror or err}") from None
+    except SafetensorError as err:
         raise CheckpointError(
             f"{str(path)!r} is not a readable safetensors file ({err}); download or save it again"
         ) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 import signal
 import sys
 import threading
@@ -126,6 +127,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_code(err)
 
 
+def entry() -> None:
+    """The `mmgrpo` executable. After a stop signal it leaves at once: a rollout thread still
+    blocked in a remote LM call must not keep the process alive once the checkpoint is written."""
+    code = main()
+    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
@@ -149,4 +161,4 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -1,7 +1,5 @@
 """`python -m mmgrpo_jax.cli ...` = `mmgrpo ...` (a source tree that is not installed)."""
 
-import sys
+from mmgrpo_jax.cli import entry
 
-from mmgrpo_jax.cli import main
-
-sys.exit(main())
+entry()

@@ -3,20 +3,24 @@
 A checkpoint holds the donated train state (trainable parameters, optimizer state, dropout key),
 the KL reference copy when "full" training keeps one, and JSON metadata: the completed step, the
 engine's state (its sampling counter), the program's prompt state, the config, the run's wall
-time so far, and a CRC32 of every saved array. orbax writes into a temporary folder and renames
-it when complete; leftovers of a write that was killed are removed when the run directory is
-opened again. A non-finite array is never saved. On restore the newest checkpoint that reads back
-and matches its checksums wins; a damaged newer one is named in a warning. A fresh run refuses a
-run directory that holds another run's checkpoints (orbax would skip saving the steps that exist,
-silently losing the new run's).
+time so far, and the shape, dtype and CRC32 of every saved array. orbax writes into a temporary
+folder and renames it when complete; leftovers of a write that was killed are removed when the
+run directory is opened again. A non-finite array is never saved. On restore the newest
+checkpoint that reads back and matches its checksums wins; a damaged newer one is named in a
+warning and moved aside; one of another shape (other settings) is refused, not taken for
+damaged. A fresh run refuses a run directory that holds another run's checkpoints (orbax would
+skip saving the steps that exist, silently losing the new run's).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import sys
+import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +39,7 @@ logger = logging.getLogger(__name__)
 class Restored:
     state: TrainState
     reference: nnx.State | None
-    meta: dict[str, Any]  # step, engine, program, config, wall_seconds, checksums
+    meta: dict[str, Any]  # step, engine, program, config, wall_seconds, arrays
 
     @property
     def step(self) -> int:
@@ -46,18 +50,32 @@ class DamagedCheckpoint(Exception):
     """A checkpoint that cannot be read back, or reads back different from what was saved."""
 
 
-def array_checksums(trees: dict[str, Any]) -> dict[str, str]:
-    """CRC32 of every array's bytes by its path; refuses a non-finite floating array."""
-    sums = {}
+def array_records(trees: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Shape, dtype and CRC32 of every array's bytes by its path; refuses a non-finite
+    floating array (nothing non-finite is ever saved)."""
+    records = {}
     for name, tree in trees.items():
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             key = name + jax.tree_util.keystr(path)
-            array = np.ascontiguousarray(jax.device_get(leaf))
+            array = np.asarray(jax.device_get(leaf))  # (ascontiguousarray makes 0-d arrays 1-d)
             floating = np.issubdtype(array.dtype, np.inexact) or array.dtype.kind == "V"  # bf16
             if floating and not np.all(np.isfinite(array.astype(np.float32))):
                 raise ValueError(f"refusing to checkpoint a non-finite array: {key}")
-            sums[key] = f"{zlib.crc32(array.view(np.uint8)):08x}"
-    return sums
+            records[key] = {
+                "shape": list(array.shape),
+                "dtype": str(array.dtype),
+                "crc32": f"{zlib.crc32(np.ascontiguousarray(array).view(np.uint8)):08x}",
+            }
+    return records
+
+
+def _layout(trees: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
+    """Shape and dtype by path of (abstract) arrays, as `array_records` names them."""
+    return {
+        name + jax.tree_util.keystr(path): (list(leaf.shape), str(np.dtype(leaf.dtype)))
+        for name, tree in trees.items()
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
 
 
 def saved_steps(run_dir: str | Path) -> list[int]:
@@ -105,39 +123,63 @@ class Checkpointer:
         if step in self._manager.all_steps():
             return  # the periodic save of this step already holds exactly this state
         trees = {"state": state} if reference is None else {"state": state, "reference": reference}
-        checksums = array_checksums(trees)
+        arrays = array_records(trees)
         items = {name: ocp.args.StandardSave(tree) for name, tree in trees.items()}
-        items["meta"] = ocp.args.JsonSave({**meta, "step": step, "checksums": checksums})
+        items["meta"] = ocp.args.JsonSave({**meta, "step": step, "arrays": arrays})
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         # written before save returns: the caller holds signals back only around this call
         self._manager.wait_until_finished()
 
-    def restore(self, state: TrainState, reference: nnx.State | None) -> Restored | None:
+    def restore(
+        self,
+        state: TrainState,
+        reference: nnx.State | None,
+        check_meta: Callable[[dict[str, Any]], None] = lambda meta: None,
+    ) -> Restored | None:
         """The newest intact checkpoint shaped like `state` (and `reference`), None without
-        any (or without resume); an error if there are checkpoints and none is intact."""
+        any (or without resume); an error if there are checkpoints and none is intact.
+        `check_meta` sees each candidate's metadata before any array is read (and refuses a
+        resume the checkpoint does not fit). Damaged newer checkpoints are moved aside to
+        `<run_dir>/damaged-checkpoints/`, so the resumed run saves those steps afresh."""
         steps = sorted(self._manager.all_steps(), reverse=True) if self.resume else []
-        damaged = []
+        damaged: list[tuple[int, str]] = []
         for step in steps:
             try:
-                restored = self._restore_step(step, state, reference)
+                restored = self._restore_step(step, state, reference, check_meta)
             except DamagedCheckpoint as err:
-                damaged.append(f"step {step}: {err}")
+                damaged.append((step, str(err)))
                 logger.warning(
                     "the checkpoint of step %d is damaged (%s); trying an older one", step, err
                 )
                 continue
             if damaged:
                 logger.warning("resuming from the intact checkpoint of step %d instead", step)
+                self._set_aside([s for s, _ in damaged])
             logger.info("resumed from step %d in %s", step, self.directory)
             return restored
         if damaged:
+            listed = "; ".join(f"step {s}: {why}" for s, why in damaged)
             raise UserError(
-                f"no intact checkpoint in {str(self.directory)!r}: {'; '.join(damaged)}; start "
-                "a fresh run_dir"
+                f"no intact checkpoint in {str(self.directory)!r}: {listed}; start a fresh run_dir"
             )
         return None
 
-    def _restore_step(self, step: int, state: TrainState, reference: nnx.State | None) -> Restored:
+    def _set_aside(self, steps: list[int]) -> None:
+        aside = self.directory.parent / "damaged-checkpoints"
+        aside.mkdir(exist_ok=True)
+        for step in steps:
+            target = aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+            shutil.move(str(self.directory / str(step)), str(target))
+            logger.warning("moved the damaged checkpoint of step %d to %s", step, target)
+        self._manager.reload()
+
+    def _restore_step(
+        self,
+        step: int,
+        state: TrainState,
+        reference: nnx.State | None,
+        check_meta: Callable[[dict[str, Any]], None],
+    ) -> Restored:
         where = self.directory / str(step)
         try:
             meta = self._manager.restore(
@@ -151,11 +193,17 @@ class Checkpointer:
                 "older mmgrpo-jax (no engine state, no dropout key) and cannot be resumed: "
                 "start a fresh run_dir"
             )
+        check_meta(meta)
+        trees = {"state": state} if reference is None else {"state": state, "reference": reference}
+        saved = meta.get("arrays")
+        if saved is None:
+            logger.warning("the checkpoint of step %d has no checksums (an older writer)", step)
+        else:
+            _refuse_other_layout(saved, _layout(trees), where)
 
         def abstract(tree):
             return ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, tree))
 
-        trees = {"state": state} if reference is None else {"state": state, "reference": reference}
         items = {name: abstract(tree) for name, tree in trees.items()}
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
@@ -163,14 +211,11 @@ class Checkpointer:
             raise DamagedCheckpoint(f"{where} unreadable: {_first_line(err)}") from err
         read = {name: restored[name] for name in trees}
         try:
-            found = array_checksums(read)
+            found = array_records(read)
         except ValueError as err:
             raise DamagedCheckpoint(f"{where}: {err}") from err
-        saved = meta.get("checksums")
-        if saved is None:
-            logger.warning("the checkpoint of step %d has no checksums (an older writer)", step)
-        else:
-            bad = sorted(k for k in set(saved) | set(found) if saved.get(k) != found.get(k))
+        if saved is not None:
+            bad = sorted(k for k in saved if saved[k]["crc32"] != found[k]["crc32"])
             if bad:
                 raise DamagedCheckpoint(
                     f"{where}: {len(bad)} arrays differ from their saved checksum, the first "
@@ -193,6 +238,26 @@ class Checkpointer:
         if isinstance(err, RuntimeError) and str(err) == "Event loop is closed":
             return
         self._unraisable(unraisable)
+
+
+def _refuse_other_layout(
+    saved: dict[str, dict[str, Any]], wanted: dict[str, tuple[list[int], str]], where: Path
+) -> None:
+    """A checkpoint of another shape is not damaged: it belongs to another setting."""
+    problems = [f"missing {k}" for k in sorted(set(wanted) - set(saved))]
+    problems += [f"unexpected {k}" for k in sorted(set(saved) - set(wanted))]
+    for key in sorted(set(saved) & set(wanted)):
+        shape, dtype = wanted[key]
+        if (saved[key]["shape"], saved[key]["dtype"]) != (shape, dtype):
+            problems.append(
+                f"{key} is {saved[key]['dtype']}{saved[key]['shape']}, this run's {dtype}{shape}"
+            )
+    if problems:
+        raise UserError(
+            f"the checkpoint in {str(where)!r} does not fit this run's model and optimizer "
+            f"({len(problems)} differences, the first: {problems[0]}); resume with the settings "
+            "that wrote it, or start a fresh run_dir"
+        )
 
 
 def _drop_abandoned_reads(record: logging.LogRecord) -> bool:

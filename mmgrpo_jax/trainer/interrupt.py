@@ -4,13 +4,15 @@ A signal raises `Interrupted` at once while nothing of the run's state is in fli
 evaluation: the learner still holds the last completed step), and is held back inside
 `deferred()` blocks (an update that donates the train state, a checkpoint write) until the block
 ends. The caller then saves the last completed step and lets `Interrupted` reach the command
-line, which exits with the conventional code (130 for SIGINT, 143 for SIGTERM).
+line, which exits with the conventional code (130 for SIGINT, 143 for SIGTERM). A second signal
+while a stop is under way is noted; a third exits at once, without a checkpoint (a stuck write).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -51,27 +53,39 @@ class StopSignals:
         self._depth = 0  # nesting of deferred() blocks
         self._pending: int | None = None  # a signal held back by deferred()
         self._stopping = False
+        self._waiting = 0  # signals that came while a stop was already under way
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNALS:
+                if signal.getsignal(signum) is signal.SIG_IGN:
+                    continue  # ignored by whoever started us (a background job): keep it so
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        if exc_type is None and self._pending is not None and not self._stopping:
+            raise Interrupted(self._pending)  # held back by hold(): the work is done, stop now
+
+    def hold(self) -> None:
+        """Hold signals back until the `with` block ends (the closing writes of a run)."""
+        self._depth += 1
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if self._stopping:
-            logger.warning("%s again: already stopping, the checkpoint is being written", name)
+        if self._stopping or self._pending is not None:
+            self._waiting += 1
+            if self._waiting >= 2:  # the third signal: the user would rather lose the checkpoint
+                logger.error("%s a third time: exiting now, without a checkpoint", name)
+                os._exit(128 + signum)
+            logger.warning("%s again: stopping as soon as it is safe (a third one aborts)", name)
             return
         if self._depth > 0:
-            if self._pending is None:
-                logger.warning("%s: stopping once the running update is complete", name)
+            logger.warning("%s: stopping once the running update is complete", name)
             self._pending = signum
             return
         self._stopping = True

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -161,20 +162,28 @@ def step_metrics(
     return metrics
 
 
-# What a resume may change: how long the run goes on, what it logs, and when it gives up.
+# What a resume may change (dotted keys): how long the run goes on, where it and its base model
+# live, what it logs, when it gives up, how long the sampler waits for a full batch.
 RESUMABLE_FIELDS = frozenset(
     {
         "num_steps",
         "resume",
         "run_dir",
+        "model_path",
         "progress",
         "eval_every",
         "checkpoint_every",
         "max_skipped_updates",
         "failing_error_fraction",
         "max_failed_steps",
+        "sampler.max_wait_s",
     }
 )
+
+
+def _same(a: Any, b: Any) -> bool:
+    both_nan = isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+    return both_nan or a == b
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -341,16 +350,7 @@ class MMGRPO:
             lm, greedy = self._lms(engine)
             restored = self._resume(checkpoints, learner, engine, program)
             done = 0 if restored is None else restored.step
-            summary_path = self.run_dir / "summary.json"
-            if restored is not None and done >= cfg.num_steps and summary_path.is_file():
-                logger.warning(
-                    "%s holds a finished run (step %d of %d): nothing to do; raise num_steps to "
-                    "train on",
-                    self.run_dir,
-                    done,
-                    cfg.num_steps,
-                )
-                self.summary = json.loads(summary_path.read_text())
+            if restored is not None and self._finished(done):
                 return program
             self.log = RunLogger(
                 self.run_dir,
@@ -361,13 +361,29 @@ class MMGRPO:
             # (an interrupted step has already drawn from its sampling counter)
             engine_state = engine.state_dict()
             guard = _Guard(cfg)
+
+            def save() -> None:
+                with stop.deferred():
+                    self._save(checkpoints, done, learner, engine_state, program)
+
+            def saved(err: BaseException) -> None:
+                save()
+                err.add_note(
+                    f"the checkpoint of step {done} is in {str(self.run_dir)!r}; resume=true "
+                    "continues the run"
+                )
+
             try:
                 for step in self._progress(done):
                     # a signal here raises at once: rollouts and evaluation change no state
                     if step % cfg.eval_every == 0 and valset:
                         self._evaluate(program, valset, greedy, step)  # once, resumed or not
                     rollouts = self._rollouts(program, trainset, lm, step)
-                    guard.check_rollouts(rollouts.trajectories, step)
+                    try:
+                        guard.check_rollouts(rollouts.trajectories, step)
+                    except UserError as err:  # the state is still the last completed step's
+                        saved(err)
+                        raise
                     # the update donates the train state: a signal waits for the step to finish
                     with stop.deferred():
                         self._learn(rollouts, lm, learner, guard, step)
@@ -376,22 +392,36 @@ class MMGRPO:
                             self._save(checkpoints, done, learner, engine_state, program)
                 if valset:
                     self._evaluate(program, valset, greedy, done)
-                with stop.deferred():
-                    self._save(checkpoints, done, learner, engine_state, program)
             except KeyboardInterrupt as err:
                 why = err.signal_name if isinstance(err, Interrupted) else "KeyboardInterrupt"
                 logger.warning("%s: writing the checkpoint of step %d before exiting", why, done)
-                with stop.deferred():
-                    self._save(checkpoints, done, learner, engine_state, program)
-                err.add_note(
-                    f"the checkpoint of step {done} is in {str(self.run_dir)!r}; resume=true "
-                    "continues the run"
-                )
+                saved(err)
                 raise
-        if cfg.train == "lora":
-            save_peft_adapter(self.model, self.run_dir / "adapter")
-        self.summary = self.log.close({"steps": cfg.num_steps, "grouping": cfg.grouping})
+            # the run is complete: a signal from here on waits for the last writes and teardown
+            stop.hold()
+            save()
+            _give_back(self.model, learner.state)
+            if cfg.train == "lora":
+                save_peft_adapter(self.model, self.run_dir / "adapter")
+            self.summary = self.log.close({"steps": cfg.num_steps, "grouping": cfg.grouping})
         return program
+
+    def _finished(self, done: int) -> bool:
+        """Whether run_dir holds this run, finished at `done` (its summary written then)."""
+        path = self.run_dir / "summary.json"
+        if done < self.config.num_steps or not path.is_file():
+            return False
+        summary = json.loads(path.read_text())
+        if summary.get("steps") != done:  # the summary of an earlier, shorter finish
+            return False
+        logger.warning(
+            "%s holds a finished run (step %d of %d): nothing to do; raise num_steps to train on",
+            self.run_dir,
+            done,
+            self.config.num_steps,
+        )
+        self.summary = summary
+        return True
 
     # -- weights, for BetterTogether ---------------------------------------------------------
     def snapshot_weights(self) -> nnx.State:
@@ -556,10 +586,11 @@ class MMGRPO:
     def _resume(
         self, checkpoints: Checkpointer, learner: _Learner, engine: RolloutEngine, program: Module
     ) -> Restored | None:
-        restored = checkpoints.restore(learner.state, learner.frozen.reference)
+        restored = checkpoints.restore(
+            learner.state, learner.frozen.reference, check_meta=self._check_resumable
+        )
         if restored is None:
             return None
-        self._check_resumable(restored)
         learner.state = restored.state
         learner.frozen = dataclasses.replace(learner.frozen, reference=restored.reference)
         program.load_state(restored.meta["program"])
@@ -567,18 +598,18 @@ class MMGRPO:
         engine.update_weights(learner.state.trainable)
         return restored
 
-    def _check_resumable(self, restored: Restored) -> None:
-        """A resume continues the same run: only run-length, logging and safety fields may
-        differ from the checkpoint's config."""
-        saved = _flat(restored.meta["config"])
+    def _check_resumable(self, meta: dict[str, Any]) -> None:
+        """A resume continues the same run: only run-length, logging, stopping and timing
+        fields may differ from the checkpoint's config."""
+        saved = _flat(meta["config"])
         now = _flat(json.loads(json.dumps(dataclasses.asdict(self.config))))
-        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-        refused = [k for k in changed if k.split(".")[0] not in RESUMABLE_FIELDS]
+        changed = sorted(k for k in set(saved) | set(now) if not _same(saved.get(k), now.get(k)))
+        refused = [k for k in changed if k not in RESUMABLE_FIELDS]
         if refused:
             listed = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in refused)
             raise UserError(
                 f"resume=true with a config that differs from the checkpoint's (step "
-                f"{restored.step} in {str(self.run_dir)!r}): {listed}; resume with the "
+                f"{meta['step']} in {str(self.run_dir)!r}): {listed}; resume with the "
                 "checkpoint's values, or start a fresh run_dir"
             )
         if "num_steps" in changed:
@@ -587,6 +618,13 @@ class MMGRPO:
                 saved["num_steps"],
                 now["num_steps"],
                 now["num_steps"],
+            )
+        if "model_path" in changed:
+            logger.warning(
+                "model_path %s -> %s: resuming on the base weights found there (their shapes "
+                "are checked, not their values)",
+                saved["model_path"],
+                now["model_path"],
             )
 
     def _save(

@@ -39,9 +39,12 @@ class RunLock:
         self.release()
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            file = self.path.open("a+")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                file = self.path.open("a+")
+            except OSError as err:
+                raise UserError(f"run_dir {str(self.path.parent)!r}: {err.strerror}") from None
             try:
                 fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -50,6 +53,12 @@ class RunLock:
                 raise UserError(
                     f"run_dir {str(self.path.parent)!r} is in use by another run ({holder}); wait "
                     "for it to finish, stop it, or choose another run_dir"
+                ) from None
+            except OSError as err:  # a filesystem without locks (some network mounts)
+                file.close()
+                raise UserError(
+                    f"run_dir {str(self.path.parent)!r} cannot be locked ({err.strerror}): put "
+                    "it on a local filesystem"
                 ) from None
             if _same_file(file, self.path):
                 break

@@ -19,6 +19,19 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+def _read_rows(path: Path) -> list[dict[str, float]]:
+    """The rows of a metrics.jsonl; a line cut short by a kill is dropped with a warning."""
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            logger.warning("%s line %d is cut short (a killed write?): dropped", path, number)
+    return rows
+
+
 class RunLogger:
     """`resumed_step`: the step of the checkpoint a resumed run starts from (None: a fresh run,
     which starts the log anew); `elapsed`: the wall seconds the run had spent before it."""
@@ -36,7 +49,7 @@ class RunLogger:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.history: list[dict[str, float]] = []
         if resumed_step is not None and self.metrics_path.is_file():
-            rows = [json.loads(x) for x in self.metrics_path.read_text().splitlines() if x.strip()]
+            rows = _read_rows(self.metrics_path)
             # rows logged at x <= the checkpoint's step describe state it holds
             self.history = [r for r in rows if r.get("step", 0) <= resumed_step]
         self._rewrite()

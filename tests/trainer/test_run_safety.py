@@ -17,10 +17,12 @@ import mmgrpo_jax
 from mmgrpo_jax import LossConfig, TokenTerms
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.rl.losses import VARIANTS
-from mmgrpo_jax.trainer.checkpoint import array_checksums
+from mmgrpo_jax.testing import tiny_decoder
+from mmgrpo_jax.trainer.checkpoint import array_records
 from mmgrpo_jax.trainer.interrupt import Interrupted
 from mmgrpo_jax.trainer.mmgrpo import MMGRPO
 from mmgrpo_jax.trainer.run_lock import RunLock
+from models.lora import LoRAConfig
 from tests.trainer.test_mmgrpo import TRAIN, VAL, TwoModules, config, new_model, reward, run
 
 
@@ -116,9 +118,10 @@ def test_non_finite_updates_are_skipped_and_stop_the_run_with_finite_checkpoints
 
 def test_a_non_finite_array_is_never_checkpointed():
     with pytest.raises(ValueError, match=r"non-finite array: state\['w'\]"):
-        array_checksums({"state": {"w": jnp.array([1.0, jnp.inf]), "n": jnp.array([1])}})
-    sums = array_checksums({"state": {"w": jnp.ones(3, jnp.bfloat16)}})
-    assert list(sums) == ["state['w']"]
+        array_records({"state": {"w": jnp.array([1.0, jnp.inf]), "n": jnp.array([1])}})
+    records = array_records({"state": {"w": jnp.ones(3, jnp.bfloat16)}})
+    assert list(records) == ["state['w']"]
+    assert records["state['w']"]["shape"] == [3] and records["state['w']"]["dtype"] == "bfloat16"
 
 
 # ---------------------------------------------------------------- one run per run_dir
@@ -181,8 +184,8 @@ def wrong_checksum(path):
     """Data that reads back fine but differs from what was saved (the checksum path)."""
     meta = path.parents[2] / "meta" / "metadata"
     saved = json.loads(meta.read_text())
-    key = sorted(saved["checksums"])[0]
-    saved["checksums"][key] = "00000000"
+    key = sorted(saved["arrays"])[0]
+    saved["arrays"][key]["crc32"] = "00000000"
     meta.write_text(json.dumps(saved))
 
 
@@ -205,6 +208,22 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     assert "the checkpoint of step 2 is damaged" in caplog.text
     assert "resuming from the intact checkpoint of step 1" in caplog.text
     assert_same(params(straight), params(resumed))  # steps 2 and 3 replayed from step 1
+    # the damaged step was set aside and written afresh by the resumed run
+    assert sorted(p.name for p in ckpts.iterdir()) == ["2", "3"]
+    [aside] = (ckpts.parent / "damaged-checkpoints").iterdir()
+    assert aside.name.startswith("2-")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # the next resume finds nothing damaged
+        run(tokenizer, config(tmp_path / "b", resume=True, **{**steps, "num_steps": 4}))
+    assert "damaged" not in caplog.text
+
+
+def test_a_checkpoint_of_another_model_is_refused_not_taken_for_damaged(tokenizer, tmp_path):
+    run(tokenizer, config(tmp_path, num_steps=1, eval_every=100))
+    wider = tiny_decoder(len(tokenizer), hidden_size=64, lora=LoRAConfig(rank=2, alpha=4.0))
+    cfg = config(tmp_path, num_steps=2, eval_every=100, resume=True)
+    with pytest.raises(UserError, match=r"does not fit this run's model and optimizer \(\d+ "):
+        run(tokenizer, cfg, model=wider)
 
 
 def test_no_intact_checkpoint_is_one_clear_error(tokenizer, tmp_path):
@@ -294,7 +313,7 @@ def test_a_metric_that_raises_on_every_rollout_stops_the_run(tokenizer, tmp_path
     def broken(example, prediction):
         raise KeyError("answer")
 
-    cfg = config(tmp_path, num_steps=5, eval_every=100, max_failed_steps=2)
+    cfg = config(tmp_path, num_steps=5, eval_every=100, max_failed_steps=2, checkpoint_every=10)
     with pytest.raises(
         UserError,
         match=r"step 2: 6 of 6 rollouts raised, 2 steps in a row .*"
@@ -304,3 +323,42 @@ def test_a_metric_that_raises_on_every_rollout_stops_the_run(tokenizer, tmp_path
     assert [r["step"] for r in rows(tmp_path / "run") if "loss" in r] == [
         1.0
     ]  # step 2 was never trained on
+
+
+# ---------------------------------------------------------------- the pieces, one by one
+
+
+def test_a_cut_short_metrics_line_is_dropped_on_resume(tmp_path, caplog):
+    from mmgrpo_jax.trainer.run_log import RunLogger
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1.0, "loss": 0.5}\n{"step": 2.0, "lo')
+    with caplog.at_level(logging.WARNING):
+        log = RunLogger(tmp_path, tensorboard=False, resumed_step=1)
+    assert log.history == [{"step": 1.0, "loss": 0.5}]
+    assert "line 2 is cut short" in caplog.text
+
+
+def test_signals_held_back_raise_when_the_block_ends_and_ignored_ones_stay_ignored():
+    from mmgrpo_jax.trainer.interrupt import StopSignals
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with StopSignals() as stop:
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+            with pytest.raises(Interrupted) as caught, stop.deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                reached = True  # the block runs to its end
+            assert reached and caught.value.exit_code == 130
+        with pytest.raises(Interrupted), StopSignals() as stop:
+            stop.hold()
+            os.kill(os.getpid(), signal.SIGINT)
+            finished = True
+        assert finished
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_run_dir_that_cannot_be_made_is_a_user_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match=r"run_dir .*file/run"):
+        RunLock(tmp_path / "file" / "run").acquire()
