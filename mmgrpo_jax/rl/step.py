@@ -174,7 +174,8 @@ def make_train_step(
         trainable = optax.apply_updates(state.trainable, updates)
         grad_norm = optax.tree.norm(grads)
         # a non-finite loss, gradient or result is never applied: the old state is kept
-        applied = jnp.isfinite(losses.sum()) & jnp.isfinite(grad_norm) & _all_finite(trainable)
+        finite = _all_finite((trainable, opt_state))
+        applied = jnp.isfinite(losses.sum()) & jnp.isfinite(grad_norm) & finite
         trainable, opt_state = jax.tree.map(
             lambda new, old: jnp.where(applied, new, old),
             (trainable, opt_state),
@@ -200,4 +201,6 @@ def make_train_step(
 
 
 def _all_finite(tree: Any) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+    """Whether every floating leaf is finite (optimizer step counters are integers)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
