@@ -213,6 +213,8 @@ def test_a_signal_to_the_demo_exits_128_plus_n_with_a_checkpoint_and_resumes(tmp
     [saved] = [p.name for p in (run_dir / "checkpoints").iterdir()]
     logged = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert int(saved) == max(r["step"] for r in logged if "loss" in r)
+    if signum == signal.SIGINT:
+        return  # resuming is the same for both; once is enough for the suite's time
     resumed = start_demo(run_dir, "resume=true", "num_steps=" + str(int(saved) + 1))
     out, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err

@@ -4,6 +4,7 @@ one run per run_dir, damaged checkpoints fall back, resumes report the truth."""
 import json
 import logging
 import os
+import shutil
 import signal
 import struct
 
@@ -189,25 +190,37 @@ def wrong_checksum(path):
     meta.write_text(json.dumps(saved))
 
 
+DAMAGE_STEPS = dict(num_steps=3, checkpoint_every=1, eval_every=100)
+
+
+@pytest.fixture(scope="module")
+def crashed_in_step_3(tokenizer, tmp_path_factory):
+    """An uninterrupted run's weights, and a run dir that crashed in step 3 (checkpoints 1, 2)."""
+    root = tmp_path_factory.mktemp("crashed")
+    straight, _ = run(tokenizer, config(root / "a", **DAMAGE_STEPS))
+    with pytest.raises(Crash):  # metric calls: 2 (eval) + 6 + 6, then step 3's
+        run(tokenizer, config(root / "b", **DAMAGE_STEPS), metric=CrashAt(16))
+    return params(straight), root / "b" / "run"
+
+
 @pytest.mark.parametrize(
     "damage",
     [truncate, flip, os.remove, wrong_checksum],
     ids=["truncated", "flipped", "deleted", "checksum"],
 )
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
-    tokenizer, tmp_path, caplog, damage
+    tokenizer, tmp_path, caplog, damage, crashed_in_step_3
 ):
-    steps = dict(num_steps=3, checkpoint_every=1, eval_every=100)
-    straight, _ = run(tokenizer, config(tmp_path / "a", **steps))
-    with pytest.raises(Crash):  # metric calls: 2 (eval) + 6 + 6, then step 3's
-        run(tokenizer, config(tmp_path / "b", **steps), metric=CrashAt(16))
+    straight, crashed = crashed_in_step_3
+    shutil.copytree(crashed, tmp_path / "b" / "run")
     ckpts = tmp_path / "b" / "run" / "checkpoints"
+    steps = DAMAGE_STEPS
     damage(largest_data_file(ckpts / "2"))
     with caplog.at_level(logging.WARNING):
         resumed, _ = run(tokenizer, config(tmp_path / "b", resume=True, **steps))
     assert "the checkpoint of step 2 is damaged" in caplog.text
     assert "resuming from the intact checkpoint of step 1" in caplog.text
-    assert_same(params(straight), params(resumed))  # steps 2 and 3 replayed from step 1
+    assert_same(straight, params(resumed))  # steps 2 and 3 replayed from step 1
     # the damaged step was set aside and written afresh by the resumed run
     assert sorted(p.name for p in ckpts.iterdir()) == ["2", "3"]
     [aside] = (ckpts.parent / "damaged-checkpoints").iterdir()
