@@ -8,17 +8,15 @@ completed step first). Any other failure is a bug and shows its full traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import signal
 import sys
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from mmgrpo_jax.cli.config import load_config
 from mmgrpo_jax.errors import UserError
-from mmgrpo_jax.trainer.interrupt import Interrupted, exit_code
+from mmgrpo_jax.trainer.interrupt import Interrupted, StopSignals, exit_code
 from models.config import CheckpointError
 
 
@@ -111,7 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     try:
-        with _sigterm_interrupts():
+        # SIGTERM stops any command the way Ctrl-C does; training nests its own StopSignals,
+        # which hold a signal back while an update or a checkpoint write runs
+        with StopSignals():
             return run(config, sys.stdout)
     # a value, a path, a run directory or a machine, not a bug: one line, no traceback
     except (UserError, CheckpointError, FileNotFoundError, MemoryError) as err:
@@ -140,25 +140,6 @@ def entry() -> None:
 
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
-
-
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM stops a command the way Ctrl-C does (training installs its own handlers on top,
-    which save a checkpoint first)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum: int, frame: object) -> None:
-        raise Interrupted(signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
 
 if __name__ == "__main__":
     entry()
