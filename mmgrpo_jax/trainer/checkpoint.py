@@ -69,6 +69,11 @@ def array_records(trees: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return records
 
 
+def _items(state: TrainState, reference: nnx.State | None) -> dict[str, Any]:
+    """The array items of a checkpoint: the train state, and the KL reference when kept."""
+    return {"state": state} if reference is None else {"state": state, "reference": reference}
+
+
 def _layout(trees: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
     """Shape and dtype by path of (abstract) arrays, as `array_records` names them."""
     return {
@@ -122,7 +127,7 @@ class Checkpointer:
     ) -> None:
         if step in self._manager.all_steps():
             return  # the periodic save of this step already holds exactly this state
-        trees = {"state": state} if reference is None else {"state": state, "reference": reference}
+        trees = _items(state, reference)
         arrays = array_records(trees)
         items = {name: ocp.args.StandardSave(tree) for name, tree in trees.items()}
         items["meta"] = ocp.args.JsonSave({**meta, "step": step, "arrays": arrays})
@@ -194,7 +199,7 @@ class Checkpointer:
                 "start a fresh run_dir"
             )
         check_meta(meta)
-        trees = {"state": state} if reference is None else {"state": state, "reference": reference}
+        trees = _items(state, reference)
         saved = meta.get("arrays")
         if saved is None:
             logger.warning("the checkpoint of step %d has no checksums (an older writer)", step)
