@@ -125,16 +125,16 @@ def test_two_steps_train_only_lora_and_log_everything(tokenizer, tmp_path, group
     assert any((tmp_path / "run" / "tensorboard").iterdir())
 
 
-class Interrupt:
-    """A metric that presses Ctrl-C at its n-th call."""
+class RaiseAtCall:
+    """A metric that raises `exception` (by default presses Ctrl-C) at its n-th call."""
 
-    def __init__(self, at_call):
-        self.calls, self.at_call = 0, at_call
+    def __init__(self, at_call, exception=KeyboardInterrupt):
+        self.calls, self.at_call, self.exception = 0, at_call, exception
 
     def __call__(self, example, prediction):
         self.calls += 1
         if self.calls == self.at_call:
-            raise KeyboardInterrupt
+            raise self.exception
         return reward(example, prediction)
 
 
@@ -149,7 +149,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(tokenizer, tmp_path, mode)
     # metric calls: 2 for the step-0 evaluation, then 2 examples x 3 rollouts per step; call 13
     # falls inside step 2, after its sampler calls: the checkpoint must hold step 1's state
     with pytest.raises(KeyboardInterrupt):
-        run(tokenizer, config(tmp_path / "b", **steps), metric=Interrupt(13))
+        run(tokenizer, config(tmp_path / "b", **steps), metric=RaiseAtCall(13))
     interrupted = [
         json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
     ]

@@ -24,7 +24,16 @@ from mmgrpo_jax.trainer.interrupt import Interrupted
 from mmgrpo_jax.trainer.mmgrpo import MMGRPO
 from mmgrpo_jax.trainer.run_lock import RunLock
 from models.lora import LoRAConfig
-from tests.trainer.test_mmgrpo import TRAIN, VAL, TwoModules, config, new_model, reward, run
+from tests.trainer.test_mmgrpo import (
+    TRAIN,
+    VAL,
+    RaiseAtCall,
+    TwoModules,
+    config,
+    new_model,
+    reward,
+    run,
+)
 
 
 def rows(run_dir):
@@ -152,17 +161,6 @@ class Crash(BaseException):
     """Stands in for kill -9: no handler runs, nothing is saved on the way out."""
 
 
-class CrashAt:
-    def __init__(self, at_call):
-        self.calls, self.at_call = 0, at_call
-
-    def __call__(self, example, prediction):
-        self.calls += 1
-        if self.calls == self.at_call:
-            raise Crash
-        return reward(example, prediction)
-
-
 def largest_data_file(step_dir):
     """The biggest array-data file of a checkpoint's train state: the one restore reads (OCDBT
     keeps the merged data in state/d/, next to the per-process copies it was merged from)."""
@@ -199,7 +197,7 @@ def crashed_in_step_3(tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp("crashed")
     straight, _ = run(tokenizer, config(root / "a", **DAMAGE_STEPS))
     with pytest.raises(Crash):  # metric calls: 2 (eval) + 6 + 6, then step 3's
-        run(tokenizer, config(root / "b", **DAMAGE_STEPS), metric=CrashAt(16))
+        run(tokenizer, config(root / "b", **DAMAGE_STEPS), metric=RaiseAtCall(16, Crash))
     return params(straight), root / "b" / "run"
 
 
@@ -281,7 +279,7 @@ def test_a_crash_and_resume_log_one_row_per_step_and_the_uninterrupted_summary(t
     # metric calls: 2 (eval at 0) + 6 + 6 + 2 (eval at 2) + 6 + 3: the crash falls in step 4,
     # after step 3 was logged but not checkpointed (the checkpoint is at 2)
     with pytest.raises(Crash):
-        run(tokenizer, config(tmp_path / "b", **steps), metric=CrashAt(26))
+        run(tokenizer, config(tmp_path / "b", **steps), metric=RaiseAtCall(26, Crash))
     run_dir = tmp_path / "b" / "run"
     assert [r["step"] for r in rows(run_dir) if "loss" in r] == [1.0, 2.0, 3.0]
     (run_dir / "run.lock").write_text(json.dumps({"pid": 99999999, "host": "h", "since": 0}))
