@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 from transformers import PreTrainedTokenizerFast
 
+from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.rl.rollout import quiet_failure_warnings
 from mmgrpo_jax.testing import word_policy
@@ -65,7 +66,8 @@ class DemoConfig:
                 f"got {self.examples_per_step}"
             )
         try:
-            ModelConfig.tiny(len(VOCABULARY) + 8, hidden_size=self.hidden_size)
+            # the head layout is what can be wrong; the vocabulary's size does not enter it
+            ModelConfig.tiny(len(VOCABULARY), hidden_size=self.hidden_size)
             mmgrpo_config(self, self.run_dir or "runs/demo")
         except ValueError as err:
             raise ValueError(f"DemoConfig: {err}") from None
@@ -74,7 +76,7 @@ class DemoConfig:
 VOCABULARY = (*synthetic.SIGN_WORDS, *synthetic.DOORS)
 
 
-def trainset() -> list:
+def trainset() -> list[Example]:
     return synthetic.two_door_examples(repeats=4)
 
 
