@@ -12,7 +12,8 @@ import functools
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
 from mmgrpo_jax.cli.config import load_config
 from mmgrpo_jax.errors import UserError
@@ -66,6 +67,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     evaluate.add_argument("--limit", help="first N examples of the split")
     evaluate.add_argument("--out", help="predictions JSONL path")
     _config_arguments(evaluate, "EvalConfig")
+    sweep = commands.add_parser(
+        "sweep",
+        help="every cell of a grid x seeds as its own run; a table with confidence intervals",
+    )
+    sweep.add_argument("--sweep", dest="sweep_file", help="YAML file with SweepConfig fields")
+    sweep.add_argument("--command", dest="run_command", help="what each run is: demo | train (default train)")
+    sweep.add_argument("--config", help="the command's YAML config (every run's base)")
+    sweep.add_argument(
+        "--grid", help='axes, e.g. "loss.variant=grpo,dapo grouping=module,trajectory"'
+    )
+    sweep.add_argument("--seeds", help="e.g. 0-9 or 0,2,5")
+    sweep.add_argument("--jobs", type=int, help="runs at a time (default 1)")
+    sweep.add_argument("--out", help="the sweep folder (default runs/sweep)")
+    sweep.add_argument("--baseline", help='the cell to compare with, e.g. "grouping=module"')
+    sweep.add_argument("--threshold", type=float, help="a curve value to count steps to")
+    sweep.add_argument("overrides", nargs="*", metavar="key=value", help="on every run")
     # key=value overrides may come before, between or after the options
     args, extra = parser.parse_known_args(argv)
     unknown = [x for x in extra if x.startswith("-") or "=" not in x]
@@ -73,37 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*args.overrides, *extra]
 
-    if args.command == "demo":
-        from mmgrpo_jax.cli import demo as module
-
-        config_cls, run = module.DemoConfig, module.main
-        overrides = [*args.overrides, *([f"grouping={args.grouping}"] if args.grouping else [])]
-    elif args.command == "groups":
-        from mmgrpo_jax.cli import groups_demo as module
-
-        config_cls, run, overrides = module.GroupsDemoConfig, module.main, args.overrides
-    elif args.command in ("train", "optimize-prompts", "better-together", "eval"):
-        from mmgrpo_jax.cli import experiment as module
-
-        config_cls = module.EvalConfig if args.command == "eval" else module.ExperimentConfig
-        options = {"dry_run": True} if getattr(args, "dry_run", False) else {}
-        run = functools.partial(module.main, args.command, **options)
-        flags = {
-            "program": "task.name",
-            "model": "model_path",
-            "adapter": "adapter_path",
-            "split": "split",
-            "limit": "limit",
-            "out": "out",
-        }
-        given = [
-            f"{key}={getattr(args, flag)}"
-            for flag, key in flags.items()
-            if getattr(args, flag, None) is not None
-        ]
-        overrides = [*args.overrides, *given]
-    else:
-        raise AssertionError(f"unhandled command {args.command!r}")
+    if args.command == "sweep":
+        return _sweep(args)
+    overrides = [*args.overrides, *_flag_overrides(args)]
+    config_cls, run = _command(args.command, dry_run=getattr(args, "dry_run", False))
     try:
         config = load_config(config_cls, args.config, overrides)
     except (ValueError, FileNotFoundError) as err:
@@ -118,13 +108,91 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mmgrpo {args.command}: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:
-        why = err.signal_name if isinstance(err, Interrupted) else "SIGINT"
-        notes = "; ".join(getattr(err, "__notes__", ()))
+        return _stopped(args.command, err)
+
+
+_FLAGS = {
+    "program": "task.name",
+    "model": "model_path",
+    "adapter": "adapter_path",
+    "split": "split",
+    "limit": "limit",
+    "out": "out",
+}
+
+
+def _flag_overrides(args: argparse.Namespace) -> list[str]:
+    """The options that are shorthands for config keys."""
+    if args.command == "demo":
+        return [f"grouping={args.grouping}"] if args.grouping else []
+    return [
+        f"{key}={getattr(args, flag)}"
+        for flag, key in _FLAGS.items()
+        if getattr(args, flag, None) is not None
+    ]
+
+
+def _command(name: str, dry_run: bool = False) -> tuple[type, Callable[[Any, TextIO], int]]:
+    """A subcommand's config class and its `main(config, out)`."""
+    if name == "demo":
+        from mmgrpo_jax.cli import demo
+
+        return demo.DemoConfig, demo.main
+    if name == "groups":
+        from mmgrpo_jax.cli import groups_demo
+
+        return groups_demo.GroupsDemoConfig, groups_demo.main
+    if name in ("train", "optimize-prompts", "better-together", "eval"):
+        from mmgrpo_jax.cli import experiment
+
+        config_cls = experiment.EvalConfig if name == "eval" else experiment.ExperimentConfig
+        options = {"dry_run": True} if dry_run else {}
+        return config_cls, functools.partial(experiment.main, name, **options)
+    raise AssertionError(f"unhandled command {name!r}")
+
+
+def command_config(name: str, path: str | None, overrides: Sequence[str]) -> Any:
+    """What `mmgrpo <name> --config path key=value ...` would run with (the sweep's check)."""
+    return load_config(_command(name)[0], path, overrides)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from mmgrpo_jax.sweep import load_sweep, run_sweep
+
+    try:
+        with StopSignals():
+            config = load_sweep(
+                args.sweep_file,
+                command=args.run_command,
+                config=args.config,
+                grid=args.grid,
+                seeds=args.seeds,
+                jobs=args.jobs,
+                out=args.out,
+                baseline=args.baseline,
+                threshold=args.threshold,
+                **({"overrides": args.overrides} if args.overrides else {}),
+            )
+            report = run_sweep(config, out=sys.stdout)
+    except (UserError, FileNotFoundError, ValueError) as err:
+        print(f"mmgrpo sweep: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as err:
+        return _stopped("sweep", err)
+    for failure in report.failures:
         print(
-            f"mmgrpo {args.command}: stopped by {why}{'; ' + notes if notes else ''}",
+            f"mmgrpo sweep: {failure.cell.name} seed {failure.seed} failed (exit "
+            f"{failure.exit_code}): {failure.last_line}; log: {failure.log}",
             file=sys.stderr,
         )
-        return exit_code(err)
+    return 1 if report.failures else 0
+
+
+def _stopped(command: str, err: KeyboardInterrupt) -> int:
+    why = err.signal_name if isinstance(err, Interrupted) else "SIGINT"
+    notes = "; ".join(getattr(err, "__notes__", ()))
+    print(f"mmgrpo {command}: stopped by {why}{'; ' + notes if notes else ''}", file=sys.stderr)
+    return exit_code(err)
 
 
 def entry() -> None:
@@ -140,6 +208,7 @@ def entry() -> None:
 
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
+
 
 if __name__ == "__main__":
     entry()

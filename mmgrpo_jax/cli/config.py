@@ -114,14 +114,17 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     tree[leaf] = value
 
 
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file read the way configs are (YAML 1.2 numbers, no arbitrary objects)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    return _parse(path.read_text(), f"config file {str(path)!r}")
+
+
 def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequence[str] = ()) -> C:
     """`cls` from an optional YAML file, then ``key=value`` overrides on top."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-        tree = _parse(path.read_text(), f"config file {str(path)!r}") or {}
+    tree: dict[str, Any] = {} if path is None else read_yaml(path) or {}
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep or not key:

@@ -42,6 +42,7 @@ class DemoConfig:
     hidden_size: int = 32
     num_layers: int = 2
     seed: int = 0
+    uniform_start: bool = True  # zeroed output head: every seed starts from uniform replies
     checkpoint_every: int = 50
     run_dir: str | None = None  # default: a new runs/demo-<time>-<suffix>
     resume: bool = False  # continue the run in run_dir from its newest checkpoint
@@ -87,6 +88,7 @@ def tiny_policy(config: DemoConfig) -> tuple[Decoder, PreTrainedTokenizerFast]:
         hidden_size=config.hidden_size,
         num_layers=config.num_layers,
         seed=config.seed,
+        uniform_start=config.uniform_start,
     )
 
 

@@ -1,0 +1,269 @@
+"""A sweep's results: what each run left in its folder, one row per cell, and the files written.
+
+A run's final score is `summary.json[score]`; its curve is every `metrics.jsonl` row carrying the
+`curve` key. Per cell: the mean score with its bootstrap interval over seeds, how many seeds
+reached the threshold and the median step at which they did, the mean wall time, and the paired
+difference against the baseline cell on the seeds both finished.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from mmgrpo_jax.sweep.spec import Cell, SweepConfig, describe
+from mmgrpo_jax.sweep.stats import Interval, bootstrap_mean, paired_difference, steps_to_threshold
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    cell: Cell
+    seed: int
+    score: float
+    curve: tuple[tuple[float, float], ...]  # (step, value) of the `curve` key
+    wall_seconds: float
+
+
+def read_run(config: SweepConfig, cell: Cell, seed: int) -> RunResult:
+    """A finished run's numbers; a summary without the score key is the sweep's error."""
+    run_dir = config.run_dir(cell, seed)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if config.score not in summary:
+        raise KeyError(
+            f"{run_dir / 'summary.json'} has no {config.score!r} (the sweep's score); it has "
+            f"{sorted(summary)}"
+        )
+    curve = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            row = json.loads(line)
+            if config.curve in row:
+                curve.append((float(row["step"]), float(row[config.curve])))
+    return RunResult(
+        cell, seed, float(summary[config.score]), tuple(curve), float(summary["wall_seconds"])
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CellRow:
+    cell: Cell
+    runs: int
+    score: Interval | None  # None until a run of the cell finished
+    difference: Interval | None  # paired, against the baseline; None for the baseline itself
+    reached: int  # seeds whose curve reached the threshold
+    median_steps: float | None  # median step at which those seeds reached it
+    wall_seconds: float | None  # mean per run
+
+
+def cell_rows(config: SweepConfig, results: Sequence[RunResult]) -> list[CellRow]:
+    baseline = config.baseline_cell
+    by_cell: dict[Cell, dict[int, RunResult]] = {c: {} for c in config.cells}
+    for result in results:
+        by_cell[result.cell][result.seed] = result
+    base_scores = {s: r.score for s, r in by_cell[baseline].items()}
+    rows = []
+    for cell, runs in by_cell.items():
+        scores = {s: r.score for s, r in sorted(runs.items())}
+        interval = (
+            bootstrap_mean(list(scores.values()), confidence=config.confidence) if scores else None
+        )
+        shared = sorted(set(scores) & set(base_scores))
+        difference = None
+        if cell != baseline and shared:
+            difference = paired_difference(
+                {s: scores[s] for s in shared},
+                {s: base_scores[s] for s in shared},
+                confidence=config.confidence,
+            )
+        steps = []
+        if config.threshold is not None:
+            steps = [steps_to_threshold(r.curve, config.threshold) for r in runs.values()]
+            steps = [s for s in steps if s is not None]
+        rows.append(
+            CellRow(
+                cell,
+                len(runs),
+                interval,
+                difference,
+                len(steps),
+                statistics.median(steps) if steps else None,
+                float(np.mean([r.wall_seconds for r in runs.values()])) if runs else None,
+            )
+        )
+    return rows
+
+
+def _number(value: float | None, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return f"{value:.{digits}f}"
+
+
+def _interval_text(interval: Interval | None) -> str:
+    return "" if interval is None else str(interval)
+
+
+def markdown(config: SweepConfig, rows: Sequence[CellRow]) -> str:
+    axes = [axis.name for axis in config.grid]
+    pct = f"{config.confidence:.0%}"
+    reach = f"reached {config.curve} >= {config.threshold}" if config.threshold is not None else ""
+    head = [*axes, "runs", f"{config.score} mean [{pct} CI]", f"diff vs baseline [{pct} CI]"]
+    if reach:
+        head += ["seeds that " + reach, "median steps to it"]
+    head.append("wall s / run")
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for row in rows:
+        labels = dict(row.cell.labels)
+        diff = "baseline" if row.cell == config.baseline_cell else _interval_text(row.difference)
+        cells = [*(labels[a] for a in axes), f"{row.runs}/{len(config.seeds)}"]
+        cells += [_interval_text(row.score), diff]
+        if reach:
+            cells += [f"{row.reached}/{row.runs}", _number(row.median_steps, 0)]
+        cells.append(_number(row.wall_seconds, 0))
+        lines.append("| " + " | ".join(cells) + " |")
+    title = config.title or f"Sweep: {config.score} over {', '.join(axes) or 'the base config'}"
+    intro = (
+        f"{describe(config)}. Each run's score is `summary.json` `{config.score}`; the interval "
+        f"is the percentile bootstrap over seeds; differences are paired by seed against the "
+        f"baseline cell ({config.baseline_cell.name}). Written by `mmgrpo sweep`.\n"
+    )
+    return f"# {title}\n\n{intro}\n" + "\n".join(lines) + "\n"
+
+
+def table_csv(config: SweepConfig, rows: Sequence[CellRow]) -> str:
+    axes = [axis.name for axis in config.grid]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(
+        [
+            *axes,
+            "runs",
+            "score_mean",
+            "score_low",
+            "score_high",
+            "diff_mean",
+            "diff_low",
+            "diff_high",
+            "diff_seeds",
+            "reached",
+            "median_steps_to_threshold",
+            "wall_seconds_mean",
+        ]
+    )
+    for row in rows:
+        labels = dict(row.cell.labels)
+        score = row.score or Interval(math.nan, math.nan, math.nan, 0)
+        diff = row.difference or Interval(math.nan, math.nan, math.nan, 0)
+        writer.writerow(
+            [
+                *(labels[a] for a in axes),
+                row.runs,
+                _number(score.mean, 6),
+                _number(score.low, 6),
+                _number(score.high, 6),
+                _number(diff.mean, 6),
+                _number(diff.low, 6),
+                _number(diff.high, 6),
+                diff.n,
+                row.reached if config.threshold is not None else "",
+                _number(row.median_steps, 1),
+                _number(row.wall_seconds, 1),
+            ]
+        )
+    return buffer.getvalue()
+
+
+def runs_csv(config: SweepConfig, results: Sequence[RunResult]) -> str:
+    axes = [axis.name for axis in config.grid]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow([*axes, "seed", "score", "steps_to_threshold", "wall_seconds", "run_dir"])
+    for r in sorted(results, key=lambda r: (config.cells.index(r.cell), r.seed)):
+        steps = None
+        if config.threshold is not None:
+            steps = steps_to_threshold(r.curve, config.threshold)
+        labels = dict(r.cell.labels)
+        writer.writerow(
+            [
+                *(labels[a] for a in axes),
+                r.seed,
+                r.score,
+                "" if steps is None else steps,
+                round(r.wall_seconds, 1),
+                config.run_dir(r.cell, r.seed),
+            ]
+        )
+    return buffer.getvalue()
+
+
+def plot_curves(config: SweepConfig, results: Sequence[RunResult], path: Path) -> None:
+    """Per cell the mean curve over its seeds and its bootstrap band, at the steps every seed
+    logged; one panel per value of the first axis when there are several axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [None]
+    if len(config.grid) > 1:
+        panels = [v.label for v in config.grid[0].values]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        for cell in config.cells:
+            if panel is not None and cell.labels[0][1] != panel:
+                continue
+            runs = [r for r in results if r.cell == cell and r.curve]
+            if not runs:
+                continue
+            common = sorted(set.intersection(*(set(dict(r.curve)) for r in runs)))
+            if not common:
+                continue
+            values = np.array([[dict(r.curve)[s] for s in common] for r in runs])
+            bands = [bootstrap_mean(column, confidence=config.confidence) for column in values.T]
+            label = " ".join(lab for _, lab in (cell.labels[1:] if panel else cell.labels))
+            ax.plot(common, [b.mean for b in bands], label=f"{label or cell.name} (n={len(runs)})")
+            if len(runs) > 1:
+                ax.fill_between(common, [b.low for b in bands], [b.high for b in bands], alpha=0.15)
+        if config.threshold is not None:
+            ax.axhline(config.threshold, color="grey", lw=0.8, ls="--")
+        title = f"{config.grid[0].name}={panel}" if panel is not None else config.title
+        ax.set(title=title, xlabel="step", ylabel=config.curve)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(config: SweepConfig, results: Sequence[RunResult]) -> list[CellRow]:
+    """table.md, table.csv, runs.csv and curves.png under the sweep folder, each replaced
+    atomically so a reader (or a kill) never sees half a file."""
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = cell_rows(config, results)
+    for name, text in (
+        ("table.md", markdown(config, rows)),
+        ("table.csv", table_csv(config, rows)),
+        ("runs.csv", runs_csv(config, results)),
+    ):
+        _write_atomic(out / name, text)
+    if any(r.curve for r in results):
+        partial = out / "curves.partial.png"
+        plot_curves(config, results, partial)
+        partial.replace(out / "curves.png")
+    return rows
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)

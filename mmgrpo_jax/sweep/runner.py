@@ -1,0 +1,265 @@
+"""`run_sweep`: every cell x seed as a normal `mmgrpo` run in its own folder, `jobs` at a time.
+
+Each run is a child process (`python -m mmgrpo_jax.cli <command> ... resume=true`), so a crash
+stays in its run and a stopped sweep loses at most the steps since each run's last checkpoint:
+started again, the sweep skips runs whose summary.json exists and resumes the others. Runs are
+launched in a fixed order and the report is rewritten after every finished run. The sweep
+folder is locked (one sweep per folder); children get SIGTERM if the sweep dies, even by
+SIGKILL (Linux), so they checkpoint and release their run folders instead of running orphaned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, TextIO
+
+from tqdm import tqdm
+
+from mmgrpo_jax.errors import UserError
+from mmgrpo_jax.sweep.report import CellRow, RunResult, read_run, write_report
+from mmgrpo_jax.sweep.spec import Cell, SweepConfig, identity_json
+from mmgrpo_jax.trainer.run_lock import RunLock
+
+logger = logging.getLogger(__name__)
+
+IDENTITY = "sweep_run.json"  # in each run folder: the command and overrides it was run with
+LOG = "sweep.log"  # in each run folder: the child's stdout and stderr, appended per attempt
+POLL_S = 0.2
+LOCK_WAIT_S = 120.0  # how long to wait for a run folder still held by a stopping child
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    cell: Cell
+    seed: int
+    exit_code: int
+    log: Path
+    last_line: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepReport:
+    rows: list[CellRow]
+    results: list[RunResult]
+    failures: list[Failure]
+    skipped: int  # runs that had finished before this invocation
+
+
+@dataclasses.dataclass
+class _Child:
+    cell: Cell
+    seed: int
+    process: subprocess.Popen
+    log: IO[str]
+
+
+def check_runs(config: SweepConfig) -> None:
+    """Build every run's config in this process before anything starts, so a bad grid value
+    is one error naming its cell, not N failed children."""
+    from mmgrpo_jax.cli import command_config
+
+    for cell in config.cells:
+        try:
+            command_config(config.command, config.config, config.run_overrides(cell, 0))
+        except (ValueError, FileNotFoundError) as err:
+            raise UserError(f"sweep cell {cell.name}: {err}") from None
+
+
+def run_sweep(
+    config: SweepConfig, *, out: TextIO | None = None, progress: bool = True
+) -> SweepReport:
+    """Run what is missing, write the report after each run, return it."""
+    check_runs(config)
+    sweep_dir = Path(config.out)
+    with RunLock(sweep_dir):
+        (sweep_dir / "sweep.json").write_text(json.dumps(_describe(config), indent=2) + "\n")
+        plan = [(cell, seed) for cell in config.cells for seed in config.seeds]
+        results: list[RunResult] = []
+        todo = []
+        for cell, seed in plan:
+            if _finished(config, cell, seed):
+                results.append(read_run(config, cell, seed))
+            else:
+                todo.append((cell, seed))
+        skipped = len(results)
+        write_report(config, results)
+        failures = _run_all(config, todo, results, plan, progress)
+        rows = write_report(config, results)
+    if out is not None:
+        print((sweep_dir / "table.md").read_text(), file=out)
+    return SweepReport(rows, results, failures, skipped)
+
+
+def _describe(config: SweepConfig) -> dict:
+    return {
+        "command": config.command,
+        "config": config.config,
+        "overrides": list(config.overrides),
+        "cells": [c.name for c in config.cells],
+        "seeds": list(config.seeds),
+        "score": config.score,
+        "curve": config.curve,
+        "threshold": config.threshold,
+        "baseline": config.baseline_cell.name,
+    }
+
+
+def _finished(config: SweepConfig, cell: Cell, seed: int) -> bool:
+    run_dir = config.run_dir(cell, seed)
+    _check_identity(config, cell, seed)
+    return (run_dir / "summary.json").is_file()
+
+
+def _check_identity(config: SweepConfig, cell: Cell, seed: int) -> None:
+    """A run folder is reused only by the run that made it."""
+    path = config.run_dir(cell, seed) / IDENTITY
+    if not path.is_file():
+        return
+    expected = json.loads(identity_json(config.identity(cell, seed)))
+    found = json.loads(path.read_text())
+    if found != expected:
+        changed = sorted(k for k in set(found) | set(expected) if found.get(k) != expected.get(k))
+        details = "; ".join(f"{k}: {found.get(k)!r} -> {expected.get(k)!r}" for k in changed)
+        raise UserError(
+            f"{path.parent} holds a run of another sweep setting ({details}): give this sweep "
+            "another out folder, or remove that run folder"
+        )
+
+
+def _run_all(
+    config: SweepConfig,
+    todo: list[tuple[Cell, int]],
+    results: list[RunResult],
+    plan: Sequence[tuple[Cell, int]],
+    progress: bool,
+) -> list[Failure]:
+    failures: list[Failure] = []
+    running: list[_Child] = []
+    shown: dict[str, int] = {}
+    bar = tqdm(
+        total=len(plan),
+        initial=len(plan) - len(todo),
+        desc="sweep",
+        unit="run",
+        disable=not progress,
+    )
+    try:
+        while todo or running:
+            while todo and len(running) < config.jobs:
+                running.append(_launch(config, *todo.pop(0)))
+            time.sleep(POLL_S)
+            for child in [c for c in running if c.process.poll() is not None]:
+                running.remove(child)
+                child.log.close()
+                code = child.process.returncode
+                if code == 0:
+                    results.append(read_run(config, child.cell, child.seed))
+                    results.sort(key=lambda r: plan.index((r.cell, r.seed)))
+                    write_report(config, results)
+                    bar.update()
+                    continue
+                failure = _failure(config, child, code)
+                if code == 2:  # the run refused its config or folder: every run would
+                    todo.clear()
+                    _stop(running)
+                    raise UserError(
+                        f"run {child.cell.name} seed {child.seed} refused to start: "
+                        f"{failure.last_line} (log: {failure.log})"
+                    )
+                failures.append(failure)
+                logger.warning(
+                    "run %s seed %d failed with exit code %d: %s (log: %s)",
+                    child.cell.name,
+                    child.seed,
+                    code,
+                    failure.last_line,
+                    failure.log,
+                )
+            status = {"running": len(running), "failed": len(failures)}
+            if status != shown:
+                bar.set_postfix(status)
+                shown = status
+    except KeyboardInterrupt as err:
+        _stop(running)
+        err.add_note(
+            f"{len(results)}/{len(plan)} runs finished; running ones were stopped at their last "
+            f"checkpoint; the same sweep again continues them ({config.out})"
+        )
+        raise
+    finally:
+        bar.close()
+    return failures
+
+
+def _launch(config: SweepConfig, cell: Cell, seed: int) -> _Child:
+    run_dir = config.run_dir(cell, seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _wait_for_release(run_dir)
+    identity = config.run_dir(cell, seed) / IDENTITY
+    if not identity.is_file():
+        identity.write_text(identity_json(config.identity(cell, seed)) + "\n")
+    command = command_line(config, cell, seed)
+    log = (run_dir / LOG).open("a")
+    log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
+    log.flush()
+    process = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
+    )
+    return _Child(cell, seed, process, log)
+
+
+def command_line(config: SweepConfig, cell: Cell, seed: int) -> list[str]:
+    """The child process of one run: the `mmgrpo` command a user would type."""
+    command = [sys.executable, "-m", "mmgrpo_jax.cli", config.command]
+    if config.config:
+        command += ["--config", config.config]
+    return command + config.run_overrides(cell, seed)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the sweep process dies (Linux prctl)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _wait_for_release(run_dir: Path) -> None:
+    """A child of a killed sweep may still be writing its checkpoint: wait for its lock."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            with RunLock(run_dir):
+                return
+        except UserError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def _stop(running: list[_Child]) -> None:
+    """SIGTERM every child (each saves its last completed step) and wait for them."""
+    for child in running:
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    for child in running:
+        child.process.wait()
+        child.log.close()
+    running.clear()
+
+
+def _failure(config: SweepConfig, child: _Child, code: int) -> Failure:
+    log = config.run_dir(child.cell, child.seed) / LOG
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return Failure(child.cell, child.seed, code, log, lines[-1] if lines else "(no output)")

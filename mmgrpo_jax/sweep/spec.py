@@ -1,0 +1,331 @@
+"""What a sweep runs: an `mmgrpo` command, its base config, a grid of cells, and seeds.
+
+A sweep file is YAML with the fields of `SweepConfig`. The grid maps an axis name to its values;
+a value is either a scalar (the override ``axis=value``) or a named bundle of overrides, for
+settings that go together (a loss and its own clip range)::
+
+    command: demo
+    overrides: [num_steps=150]
+    grid:
+      grouping: [module, trajectory]
+      loss:
+        grpo: {loss: grpo}
+        dapo: {loss: dapo, epsilon_high: 0.28}
+    seeds: 0-9
+    baseline: {grouping: module, loss: grpo}
+
+On the command line the same grid is ``--grid "grouping=module,trajectory loss=grpo,dapo"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mmgrpo_jax.cli.config import read_yaml
+from mmgrpo_jax.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCommand:
+    """Where a command's config keeps the fields the sweep sets on every run."""
+
+    seed: str
+    run_dir: str
+    resume: str
+    progress: str
+
+
+COMMANDS = {
+    "demo": RunCommand("seed", "run_dir", "resume", "progress"),
+    "train": RunCommand("mmgrpo.seed", "mmgrpo.run_dir", "mmgrpo.resume", "mmgrpo.progress"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisValue:
+    label: str
+    overrides: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    name: str
+    values: tuple[AxisValue, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One point of the grid: its label per axis and the overrides that make it."""
+
+    labels: tuple[tuple[str, str], ...]  # (axis, value label), in grid order
+    overrides: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return " ".join(f"{axis}={label}" for axis, label in self.labels) or "base"
+
+    @property
+    def folder(self) -> str:
+        """A file-system-safe, readable folder name."""
+        text = "_".join(f"{axis}-{label}" for axis, label in self.labels) or "base"
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", text)
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    command: str = "train"  # the mmgrpo subcommand every run is: demo | train
+    config: str | None = None  # that command's YAML config: every run's base
+    overrides: tuple[str, ...] = ()  # key=value on every run
+    grid: tuple[Axis, ...] = ()
+    seeds: tuple[int, ...] = (0,)
+    out: str = "runs/sweep"  # the sweep folder: runs/<cell>/seed<k>, table.md, table.csv, ...
+    jobs: int = 1  # runs at a time
+    baseline: tuple[tuple[str, str], ...] = ()  # the cell others are compared to; default: first
+    score: str = "eval_reward_after"  # summary.json's key for a run's final score
+    curve: str = "eval_reward"  # metrics.jsonl's key for learning curves and steps-to-threshold
+    threshold: float | None = None
+    confidence: float = 0.95
+    title: str = ""
+
+    def __post_init__(self) -> None:
+        if self.command not in COMMANDS:
+            raise UserError(
+                f"sweep command must be one of {sorted(COMMANDS)}, got {self.command!r}"
+            )
+        if self.config is not None and not Path(self.config).is_file():
+            raise UserError(f"sweep config={self.config!r} is not a file")
+        for override in self.overrides:
+            _check_override(override, "sweep overrides")
+        if self.jobs < 1:
+            raise UserError(f"sweep jobs must be >= 1, got {self.jobs}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise UserError(f"sweep seeds must be distinct and >= 0, got {list(self.seeds)}")
+        if not 0 < self.confidence < 1:
+            raise UserError(f"sweep confidence must be in (0, 1), got {self.confidence}")
+        if self.threshold is not None and not math.isfinite(self.threshold):
+            raise UserError(f"sweep threshold must be a finite number, got {self.threshold}")
+        names = [axis.name for axis in self.grid]
+        if len(set(names)) != len(names):
+            raise UserError(f"sweep grid names an axis twice: {names}")
+        owned = set(dataclasses.astuple(COMMANDS[self.command]))
+        for axis in self.grid:
+            if not axis.values:
+                raise UserError(f"sweep grid axis {axis.name!r} has no values")
+            labels = [v.label for v in axis.values]
+            if len(set(labels)) != len(labels):
+                raise UserError(f"sweep grid axis {axis.name!r} repeats a value: {labels}")
+            for value in axis.values:
+                for override in value.overrides:
+                    key = _check_override(override, f"sweep grid axis {axis.name!r}")
+                    if key in owned:
+                        raise UserError(
+                            f"sweep grid axis {axis.name!r} sets {key!r}, which the sweep sets "
+                            "on every run itself (seeds go in `seeds`)"
+                        )
+        if self.baseline:
+            matches = [c for c in self.cells if dict(c.labels) == dict(self.baseline)]
+            if len(matches) != 1:
+                raise UserError(
+                    f"sweep baseline {dict(self.baseline)} names no cell of the grid; cells: "
+                    f"{[c.name for c in self.cells]}"
+                )
+
+    @property
+    def cells(self) -> list[Cell]:
+        combos = itertools.product(*(axis.values for axis in self.grid))
+        return [
+            Cell(
+                tuple((axis.name, v.label) for axis, v in zip(self.grid, values, strict=True)),
+                tuple(o for v in values for o in v.overrides),
+            )
+            for values in combos
+        ]
+
+    @property
+    def baseline_cell(self) -> Cell:
+        if not self.baseline:
+            return self.cells[0]
+        return next(c for c in self.cells if dict(c.labels) == dict(self.baseline))
+
+    def run_dir(self, cell: Cell, seed: int) -> Path:
+        return Path(self.out) / "runs" / cell.folder / f"seed{seed}"
+
+    def run_overrides(self, cell: Cell, seed: int) -> list[str]:
+        """Every override of one run, in the order they apply (later wins)."""
+        keys = COMMANDS[self.command]
+        return [
+            *self.overrides,
+            *cell.overrides,
+            f"{keys.seed}={seed}",
+            f"{keys.run_dir}={self.run_dir(cell, seed)}",
+            f"{keys.resume}=true",  # a run with no checkpoint yet simply starts
+            f"{keys.progress}=false",
+        ]
+
+    def identity(self, cell: Cell, seed: int) -> dict[str, Any]:
+        """What makes a run the same run: a restarted sweep reuses a run folder only if this
+        matches (a changed base config or grid value is a new run, not a finished one)."""
+        text = Path(self.config).read_text() if self.config else ""
+        return {
+            "command": self.command,
+            "config": self.config,
+            "config_sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "overrides": self.run_overrides(cell, seed),
+        }
+
+
+def _check_override(override: str, where: str) -> str:
+    key, sep, _ = override.partition("=")
+    if not sep or not key.strip():
+        raise UserError(f"{where}: {override!r} must look like key=value")
+    return key.strip()
+
+
+def parse_seeds(text: str | int | Sequence[int]) -> tuple[int, ...]:
+    """``0-9``, ``0,3,5``, ``0-4,8`` or a list of ints."""
+    if isinstance(text, bool):
+        raise UserError(f"seeds must be a list or a range like 0-9, got {text!r}")
+    if isinstance(text, int):
+        return (text,)
+    if not isinstance(text, str):
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in text):
+            raise UserError(f"seeds must be integers, got {list(text)!r}")
+        return tuple(text)
+    seeds: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if match is None:
+            raise UserError(f"seeds {text!r}: {part!r} is not a seed or a range like 0-9")
+        first, last = int(match.group(1)), int(match.group(2) or match.group(1))
+        if last < first:
+            raise UserError(f"seeds {text!r}: the range {part!r} runs backwards")
+        seeds.extend(range(first, last + 1))
+    return tuple(seeds)
+
+
+def _scalar_text(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | int | float):
+        return str(value)
+    raise UserError(f"a grid value must be a scalar, got {value!r}")
+
+
+def parse_grid(spec: str | Mapping[str, Any]) -> tuple[Axis, ...]:
+    """The command line's ``"a=1,2 b=x,y"`` or a sweep file's mapping (see the module doc)."""
+    if isinstance(spec, str):
+        axes = []
+        for part in spec.split():
+            name, sep, values = part.partition("=")
+            if not sep or not name or not values:
+                raise UserError(f"grid {spec!r}: {part!r} must look like key=value1,value2")
+            labels = values.split(",")
+            axes.append(Axis(name, tuple(AxisValue(v, (f"{name}={v}",)) for v in labels)))
+        return tuple(axes)
+    if not isinstance(spec, Mapping):
+        raise UserError(f"grid must be a mapping of axis -> values, got {spec!r}")
+    axes = []
+    for name, values in spec.items():
+        if isinstance(values, Mapping):  # named bundles
+            parsed = []
+            for label, bundle in values.items():
+                if not isinstance(bundle, Mapping):
+                    raise UserError(
+                        f"grid axis {name!r} value {label!r} must be a mapping of overrides, "
+                        f"got {bundle!r}"
+                    )
+                overrides = tuple(f"{k}={_scalar_text(v)}" for k, v in bundle.items())
+                parsed.append(AxisValue(str(label), overrides))
+            axes.append(Axis(str(name), tuple(parsed)))
+        elif isinstance(values, list):
+            texts = [_scalar_text(v) for v in values]
+            axes.append(Axis(str(name), tuple(AxisValue(t, (f"{name}={t}",)) for t in texts)))
+        else:
+            raise UserError(f"grid axis {name!r} must list its values, got {values!r}")
+    return tuple(axes)
+
+
+def parse_labels(spec: str | Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """A baseline cell: ``"grouping=module loss=grpo"`` or a mapping."""
+    if isinstance(spec, str):
+        pairs = [part.partition("=") for part in spec.split()]
+        if any(not sep for _, sep, _ in pairs):
+            raise UserError(f"baseline {spec!r} must look like axis=value axis=value")
+        return tuple((k, v) for k, _, v in pairs)
+    if not isinstance(spec, Mapping):
+        raise UserError(f"baseline must be a mapping of axis -> value, got {spec!r}")
+    return tuple((str(k), _scalar_text(v)) for k, v in spec.items())
+
+
+_FIELDS = {f.name for f in dataclasses.fields(SweepConfig)}
+
+
+def sweep_config(values: Mapping[str, Any], where: str = "sweep") -> SweepConfig:
+    """A SweepConfig from a sweep file's mapping (and command-line values on top)."""
+    unknown = sorted(set(values) - _FIELDS)
+    if unknown:
+        raise UserError(f"{where}: unknown keys {unknown}; valid: {sorted(_FIELDS)}")
+    kwargs = dict(values)
+    if "grid" in kwargs:
+        kwargs["grid"] = parse_grid(kwargs["grid"] or {})
+    if "seeds" in kwargs:
+        kwargs["seeds"] = parse_seeds(kwargs["seeds"])
+    if "baseline" in kwargs:
+        kwargs["baseline"] = parse_labels(kwargs["baseline"] or {})
+    if "overrides" in kwargs:
+        overrides = kwargs["overrides"] or []
+        if isinstance(overrides, str) or not isinstance(overrides, list):
+            raise UserError(f"{where}: overrides must be a list of key=value, got {overrides!r}")
+        kwargs["overrides"] = tuple(str(o) for o in overrides)
+    for key, kind in (("jobs", int), ("threshold", float), ("confidence", float)):
+        value = kwargs.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise UserError(f"{where}: {key} must be a number, got {value!r}")
+        if value is not None:
+            kwargs[key] = kind(value)
+    for key in ("command", "config", "out", "score", "curve", "title"):
+        if key in kwargs and kwargs[key] is not None and not isinstance(kwargs[key], str):
+            raise UserError(f"{where}: {key} must be a string, got {kwargs[key]!r}")
+    return SweepConfig(**kwargs)
+
+
+def load_sweep(path: str | Path | None, **cli: Any) -> SweepConfig:
+    """A sweep file (optional) with the command line's values (not None) on top."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        values = read_yaml(path) or {}
+        if not isinstance(values, Mapping):
+            raise UserError(f"sweep file {str(path)!r} must be a mapping, got {values!r}")
+        values = dict(values)
+    values.update({k: v for k, v in cli.items() if v is not None})
+    where = f"sweep file {str(path)!r}" if path else "sweep"
+    return sweep_config(values, where)
+
+
+def describe(config: SweepConfig) -> str:
+    """One line naming what every run of the sweep shares."""
+    base = f"`mmgrpo {config.command}`" + (f" --config {config.config}" if config.config else "")
+    if config.overrides:
+        base += " " + " ".join(config.overrides)
+    return base + f"; seeds {_seed_text(config.seeds)}"
+
+
+def _seed_text(seeds: Sequence[int]) -> str:
+    ordered = sorted(seeds)
+    if ordered == list(range(ordered[0], ordered[-1] + 1)) and len(ordered) > 2:
+        return f"{ordered[0]}-{ordered[-1]}"
+    return ",".join(map(str, seeds))
+
+
+def identity_json(identity: Mapping[str, Any]) -> str:
+    return json.dumps(identity, indent=2, sort_keys=True)

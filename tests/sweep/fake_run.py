@@ -1,0 +1,58 @@
+"""A stand-in for `mmgrpo demo` in the sweep runner's tests: seconds instead of minutes.
+
+It takes the demo's override keys, logs a deterministic curve of (seed, lr) to metrics.jsonl, a
+"checkpoint" after every step, and resumes from it the way the trainer does (rows after the
+checkpoint dropped), so an interrupted run ends with the files of an uninterrupted one.
+`fail=<code>` exits with that code instead (after printing a last line); FAKE_STEP_SECONDS sets
+the time a step takes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def curve_value(seed: int, lr: float, step: int) -> float:
+    return round(min(1.0, step * lr * 100 + 0.05 * (seed % 3)), 6)
+
+
+def main(argv: list[str]) -> int:
+    args = dict(a.split("=", 1) for a in argv)
+    if "fail" in args:
+        print(f"fake run: failing on purpose with {args['fail']}", file=sys.stderr)
+        return int(args["fail"])
+    run_dir, seed = Path(args["run_dir"]), int(args["seed"])
+    lr, steps = float(args.get("lr", "0.002")), int(args.get("num_steps", "6"))
+    delay = float(os.environ.get("FAKE_STEP_SECONDS", "0.1"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / "run.lock").open("a") as lock:  # the trainer's lock, without its imports
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        checkpoint, metrics = run_dir / "ckpt.json", run_dir / "metrics.jsonl"
+        done = json.loads(checkpoint.read_text())["step"] if checkpoint.is_file() else 0
+        rows = [json.loads(x) for x in metrics.read_text().splitlines()] if done else []
+        rows = [r for r in rows if r["step"] <= done]
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        start = time.monotonic()
+        for step in range(done + 1, steps + 1):
+            time.sleep(delay)
+            with metrics.open("a") as f:
+                f.write(json.dumps({"step": step, "eval_reward": curve_value(seed, lr, step)}))
+                f.write("\n")
+            partial = run_dir / "ckpt.partial"
+            partial.write_text(json.dumps({"step": step}))
+            partial.replace(checkpoint)
+        summary = {
+            "eval_reward_after": curve_value(seed, lr, steps),
+            "wall_seconds": time.monotonic() - start,
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

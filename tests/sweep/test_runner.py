@@ -1,0 +1,178 @@
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mmgrpo_jax.errors import UserError
+from mmgrpo_jax.sweep import load_sweep, run_sweep, runner
+from mmgrpo_jax.trainer.run_lock import RunLock
+from tests.sweep.fake_run import curve_value
+from tests.sweep.fake_sweep import fake_command_line
+
+REPO = Path(__file__).resolve().parents[2]
+GRID = "lr=0.002,0.004"
+
+
+def _config(out: Path, **values):
+    defaults = {"command": "demo", "grid": GRID, "seeds": "0-2", "threshold": 0.5}
+    return load_sweep(None, out=str(out), overrides=["num_steps=6"], **{**defaults, **values})
+
+
+@pytest.fixture
+def fake_runs(monkeypatch):
+    monkeypatch.setattr(runner, "command_line", fake_command_line)
+    monkeypatch.setattr(runner, "POLL_S", 0.02)
+    monkeypatch.setenv("FAKE_STEP_SECONDS", "0.01")
+
+
+def _without_wall_time(text: str) -> list[dict[str, str]]:
+    rows = list(csv.DictReader(io.StringIO(text)))
+    for row in rows:
+        for key in ("wall_seconds", "wall_seconds_mean", "run_dir"):
+            row.pop(key, None)
+    return rows
+
+
+def test_sweep_runs_every_cell_and_seed_and_writes_the_report(tmp_path, fake_runs):
+    config = _config(tmp_path / "sweep", jobs=2)
+    report = run_sweep(config, progress=False)
+    assert not report.failures and report.skipped == 0
+    assert len(report.results) == 6
+    for result in report.results:
+        lr = float(dict(result.cell.labels)["lr"])
+        assert result.score == curve_value(result.seed, lr, 6)
+        assert [s for s, _ in result.curve] == [1, 2, 3, 4, 5, 6]
+    table = list(csv.DictReader((tmp_path / "sweep" / "table.csv").open()))
+    assert [row["lr"] for row in table] == ["0.002", "0.004"]
+    fast = [curve_value(s, 0.004, 6) for s in range(3)]
+    assert float(table[1]["score_mean"]) == pytest.approx(sum(fast) / 3)
+    # lr 0.004 reaches 0.5 at step 2 (seeds 0-2 add 0, 0.05, 0.1); lr 0.002 at steps 3, 3, 2
+    assert (table[1]["reached"], table[1]["median_steps_to_threshold"]) == ("3", "2.0")
+    assert table[0]["median_steps_to_threshold"] == "3.0"
+    baseline = [curve_value(s, 0.002, 6) for s in range(3)]
+    diff = sum(f - b for f, b in zip(fast, baseline, strict=True)) / 3
+    assert float(table[1]["diff_mean"]) == pytest.approx(diff)
+    assert table[1]["diff_seeds"] == "3"
+    markdown = (tmp_path / "sweep" / "table.md").read_text()
+    assert "| 0.002 | 3/3 |" in markdown and "baseline" in markdown
+    assert (tmp_path / "sweep" / "curves.png").stat().st_size > 0
+    runs = list(csv.DictReader((tmp_path / "sweep" / "runs.csv").open()))
+    assert [(r["lr"], r["seed"]) for r in runs] == [
+        (lr, str(s)) for lr in ("0.002", "0.004") for s in range(3)
+    ]
+
+
+def test_a_restarted_sweep_skips_finished_runs(tmp_path, fake_runs):
+    config = _config(tmp_path / "sweep")
+    run_sweep(config, progress=False)
+    first = (tmp_path / "sweep" / "table.csv").read_text()
+    again = run_sweep(config, progress=False)
+    assert again.skipped == 6
+    assert _without_wall_time((tmp_path / "sweep" / "table.csv").read_text()) == (
+        _without_wall_time(first)
+    )
+    logs = (config.run_dir(config.cells[0], 0) / runner.LOG).read_text()
+    assert logs.count("=== ") == 1  # launched once
+
+
+def test_a_run_folder_of_another_setting_is_refused(tmp_path, fake_runs):
+    run_sweep(_config(tmp_path / "sweep", seeds="0"), progress=False)
+    changed = load_sweep(
+        None,
+        command="demo",
+        grid=GRID,
+        seeds="0",
+        out=str(tmp_path / "sweep"),
+        overrides=["num_steps=5"],
+    )
+    with pytest.raises(UserError, match=r"another sweep setting.*num_steps=6"):
+        run_sweep(changed, progress=False)
+
+
+def test_a_failed_run_is_reported_and_the_others_finish(tmp_path, fake_runs, monkeypatch):
+    def one_fails(config, cell, seed):
+        extra = ["fail=1"] if (dict(cell.labels)["lr"], seed) == ("0.004", 1) else []
+        return [*fake_command_line(config, cell, seed), *extra]
+
+    monkeypatch.setattr(runner, "command_line", one_fails)
+    report = run_sweep(_config(tmp_path / "sweep"), progress=False)
+    assert [(f.seed, f.exit_code) for f in report.failures] == [(1, 1)]
+    assert "failing on purpose" in report.failures[0].last_line
+    assert len(report.results) == 5
+    table = list(csv.DictReader((tmp_path / "sweep" / "table.csv").open()))
+    assert table[1]["runs"] == "2" and table[1]["diff_seeds"] == "2"  # paired on shared seeds
+
+
+def test_a_run_that_refuses_its_config_stops_the_sweep(tmp_path, fake_runs, monkeypatch):
+    monkeypatch.setattr(runner, "command_line", lambda *a: [*fake_command_line(*a), "fail=2"])
+    with pytest.raises(UserError, match="refused to start: fake run: failing on purpose"):
+        run_sweep(_config(tmp_path / "sweep"), progress=False)
+
+
+def test_a_bad_grid_value_is_refused_before_any_run(tmp_path, fake_runs):
+    config = load_sweep(None, command="demo", grid="grouping=module,sideways", out=str(tmp_path))
+    with pytest.raises(UserError, match=r"cell grouping=sideways: .*grouping must be"):
+        run_sweep(config, progress=False)
+    assert not (tmp_path / "runs").exists()
+
+
+def _sweep_process(out: Path, env: dict[str, str]) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        str(REPO / "tests" / "sweep" / "fake_sweep.py"),
+        "sweep",
+        "--command",
+        "demo",
+        "--grid",
+        GRID,
+        "--seeds",
+        "0-1",
+        "--out",
+        str(out),
+        "--threshold",
+        "0.5",
+        "num_steps=8",
+    ]
+    return subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_a_sweep_killed_mid_run_and_started_again_ends_with_the_same_table(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FAKE_STEP_SECONDS": "0.3"}
+    reference = _sweep_process(tmp_path / "reference", env)
+    interrupted = _sweep_process(tmp_path / "interrupted", env)
+    checkpoint = tmp_path / "interrupted" / "runs" / "lr-0.002" / "seed1" / "ckpt.json"
+    deadline = time.monotonic() + 120
+    while not checkpoint.is_file() or json.loads(checkpoint.read_text())["step"] < 3:
+        assert time.monotonic() < deadline and interrupted.poll() is None
+        time.sleep(0.05)
+    interrupted.kill()  # SIGKILL: no handler runs in the sweep
+    interrupted.wait()
+    deadline = time.monotonic() + 30
+    while True:  # the orphaned child got SIGTERM from the kernel, and exits
+        try:
+            with RunLock(checkpoint.parent):
+                break
+        except UserError:
+            assert time.monotonic() < deadline, "the killed sweep's child kept running"
+            time.sleep(0.05)
+    assert json.loads(checkpoint.read_text())["step"] < 8
+    restarted = _sweep_process(tmp_path / "interrupted", env)
+    assert restarted.wait(timeout=120) == 0, restarted.stderr.read()
+    assert reference.wait(timeout=120) == 0, reference.stderr.read()
+    for name in ("table.csv", "runs.csv"):
+        done = (tmp_path / "interrupted" / name).read_text()
+        assert _without_wall_time(done) == _without_wall_time(
+            (tmp_path / "reference" / name).read_text()
+        )
+    log = (checkpoint.parent / runner.LOG).read_text()
+    assert log.count("=== ") == 2  # the killed run was resumed, not restarted
+    first = tmp_path / "interrupted" / "runs" / "lr-0.002" / "seed0" / runner.LOG
+    assert first.read_text().count("=== ") == 1  # the finished one was skipped
