@@ -30,7 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmgrpo", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
-        "demo", help="train a tiny policy from scratch on the two-door program with mmGRPO"
+        "demo",
+        help="train a tiny policy from scratch with mmGRPO on a CPU testbed (default two_doors)",
     )
     demo.add_argument("--grouping", choices=("module", "trajectory"), help="the objective")
     _config_arguments(demo, "DemoConfig")
@@ -72,7 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="every cell of a grid x seeds as its own run; a table with confidence intervals",
     )
     sweep.add_argument("--sweep", dest="sweep_file", help="YAML file with SweepConfig fields")
-    sweep.add_argument("--command", dest="run_command", help="what each run is: demo | train (default train)")
+    sweep.add_argument(
+        "--command", dest="run_command", help="what each run is: demo | train (default train)"
+    )
     sweep.add_argument("--config", help="the command's YAML config (every run's base)")
     sweep.add_argument(
         "--grid", help='axes, e.g. "loss.variant=grpo,dapo grouping=module,trajectory"'

@@ -1,9 +1,10 @@
-"""`mmgrpo demo` (= `make demo`): mmGRPO trains a tiny from-scratch policy on the two-door program.
+"""`mmgrpo demo` (= `make demo`): mmGRPO trains a tiny from-scratch policy on a CPU testbed.
 
 A 2-layer Llama-architecture model with a word-level vocabulary of the task's words is trained
 in full (no LoRA: nothing is pretrained) with module-level (default) or trajectory-level
-grouping. The run directory gets metrics.jsonl, TensorBoard events, learning_curve.png, orbax
-checkpoints and summary.json with the greedy eval reward before and after.
+grouping, on the two-door program by default or another `programs.testbeds` program. The run
+directory gets metrics.jsonl, TensorBoard events, learning_curve.png, orbax checkpoints and
+summary.json with the greedy eval reward before and after.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any, TextIO
 
 from transformers import PreTrainedTokenizerFast
 
-from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.rl.rollout import quiet_failure_warnings
 from mmgrpo_jax.testing import word_policy
@@ -25,16 +25,18 @@ from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
 from mmgrpo_jax.trainer.mmgrpo import MMGRPO, check_run_dir
 from models.config import ModelConfig
 from models.decoder import Decoder
-from programs import synthetic
+from programs.testbeds import testbed
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
+    testbed: str = "two_doors"  # a programs.testbeds name
     grouping: str = "module"
     num_steps: int = 150
     num_rollouts: int = 8
     examples_per_step: int = 16
-    lr: float = 2e-3
+    lr: float = 1e-2
+    align: str = "truncate"  # how module-level groups line up unequal invocation counts
     loss: str = "grpo"
     epsilon_high: float | None = None
     beta: float = 0.0  # k3 KL to a frozen copy of the initial weights
@@ -42,7 +44,9 @@ class DemoConfig:
     hidden_size: int = 32
     num_layers: int = 2
     seed: int = 0
-    uniform_start: bool = True  # zeroed output head: every seed starts from uniform replies
+    # the output head's init relative to LeCun's: small, so no seed starts with almost no mass
+    # on the replies that parse (testing.word_policy)
+    head_scale: float = 0.25
     checkpoint_every: int = 50
     run_dir: str | None = None  # default: a new runs/demo-<time>-<suffix>
     resume: bool = False  # continue the run in run_dir from its newest checkpoint
@@ -51,50 +55,50 @@ class DemoConfig:
     def __post_init__(self) -> None:
         """Every value is checked here, before a model is built: the trainer's own checks run
         on the config this demo would hand it."""
+        try:
+            testbed(self.testbed)
+        except ValueError as err:
+            raise ValueError(f"DemoConfig.{err}") from None
         if self.grouping not in ("module", "trajectory"):
             raise ValueError(
                 f"DemoConfig.grouping must be 'module' or 'trajectory', got {self.grouping!r}"
             )
+        if not self.head_scale >= 0:
+            raise ValueError(f"DemoConfig.head_scale must be >= 0, got {self.head_scale}")
         for name in ("num_steps", "num_rollouts", "examples_per_step", "hidden_size", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.resume and self.run_dir is None:
             raise ValueError("DemoConfig.resume=true needs the run_dir of the run to continue")
-        examples = len(trainset())
+        examples = len(testbed(self.testbed).trainset())
         if self.examples_per_step > examples:
             raise ValueError(
-                f"DemoConfig.examples_per_step must be <= {examples} (the demo's trainset), "
-                f"got {self.examples_per_step}"
+                f"DemoConfig.examples_per_step must be <= {examples} (the {self.testbed} "
+                f"trainset), got {self.examples_per_step}"
             )
         try:
             # the head layout is what can be wrong; the vocabulary's size does not enter it
-            ModelConfig.tiny(len(VOCABULARY), hidden_size=self.hidden_size)
+            ModelConfig.tiny(len(testbed(self.testbed).vocabulary), hidden_size=self.hidden_size)
             mmgrpo_config(self, self.run_dir or "runs/demo")
         except ValueError as err:
             raise ValueError(f"DemoConfig: {err}") from None
 
 
-VOCABULARY = (*synthetic.SIGN_WORDS, *synthetic.DOORS)
-
-
-def trainset() -> list[Example]:
-    return synthetic.two_door_examples(repeats=4)
-
-
 def tiny_policy(config: DemoConfig) -> tuple[Decoder, PreTrainedTokenizerFast]:
     """A from-scratch Llama-architecture decoder over a word vocabulary of the task's words."""
     return word_policy(
-        VOCABULARY,
+        testbed(config.testbed).vocabulary,
         hidden_size=config.hidden_size,
         num_layers=config.num_layers,
         seed=config.seed,
-        uniform_start=config.uniform_start,
+        head_scale=config.head_scale,
     )
 
 
 def mmgrpo_config(config: DemoConfig, run_dir: str | Path) -> MMGRPOConfig:
     return MMGRPOConfig(
         grouping=config.grouping,
+        align=config.align,
         num_rollouts=config.num_rollouts,
         examples_per_step=config.examples_per_step,
         num_steps=config.num_steps,
@@ -127,14 +131,15 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     settings = mmgrpo_config(config, run_dir)
     check_run_dir(settings)  # before the model is built
     model, tokenizer = tiny_policy(config)
+    bed = testbed(config.testbed)
     optimizer = MMGRPO(
-        synthetic.two_door_metric,
+        bed.metric,
         settings,
         model=model,
         tokenizer=tokenizer,
         stop_token_ids=[tokenizer.eos_token_id],
     )
-    optimizer.compile(synthetic.TwoDoors(), trainset(), synthetic.two_door_examples())
+    optimizer.compile(bed.program(), bed.trainset(), bed.valset())
     return {**optimizer.summary, "run_dir": str(run_dir)}
 
 

@@ -14,6 +14,7 @@ import ctypes
 import dataclasses
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -213,6 +214,7 @@ def _launch(config: SweepConfig, cell: Cell, seed: int) -> _Child:
     log.flush()
     process = subprocess.Popen(
         command,
+        env=child_environment(config),
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -227,6 +229,15 @@ def command_line(config: SweepConfig, cell: Cell, seed: int) -> list[str]:
     if config.config:
         command += ["--config", config.config]
     return command + config.run_overrides(cell, seed)
+
+
+def child_environment(config: SweepConfig) -> dict[str, str]:
+    """This process's environment, with XLA's CPU work on one thread if the sweep says so."""
+    env = dict(os.environ)
+    if config.single_thread:
+        flags = env.get("XLA_FLAGS", "")
+        env["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false".strip()
+    return env
 
 
 def _die_with_parent() -> None:

@@ -88,6 +88,9 @@ class SweepConfig:
     seeds: tuple[int, ...] = (0,)
     out: str = "runs/sweep"  # the sweep folder: runs/<cell>/seed<k>, table.md, table.csv, ...
     jobs: int = 1  # runs at a time
+    # Each run's XLA CPU work on one thread (--xla_cpu_multi_thread_eigen=false): tiny policies
+    # gain little from threads, so jobs=cores with this is the fastest sweep of them on a CPU.
+    single_thread: bool = False
     baseline: tuple[tuple[str, str], ...] = ()  # the cell others are compared to; default: first
     score: str = "eval_reward_after"  # summary.json's key for a run's final score
     curve: str = "eval_reward"  # metrics.jsonl's key for learning curves and steps-to-threshold
@@ -293,6 +296,8 @@ def sweep_config(values: Mapping[str, Any], where: str = "sweep") -> SweepConfig
             raise UserError(f"{where}: {key} must be a number, got {value!r}")
         if value is not None:
             kwargs[key] = kind(value)
+    if not isinstance(kwargs.get("single_thread", False), bool):
+        raise UserError(f"{where}: single_thread must be true or false")
     for key in ("command", "config", "out", "score", "curve", "title"):
         if key in kwargs and kwargs[key] is not None and not isinstance(kwargs[key], str):
             raise UserError(f"{where}: {key} must be a string, got {kwargs[key]!r}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax.numpy as jnp
 from flax import nnx
 from transformers import PreTrainedTokenizerFast
 
@@ -33,20 +32,23 @@ def word_policy(
     hidden_size: int = 32,
     num_layers: int = 2,
     seed: int = 0,
-    uniform_start: bool = True,
+    head_scale: float = 1.0,
 ) -> tuple[Decoder, PreTrainedTokenizerFast]:
     """A from-scratch decoder over a word vocabulary (one token per word): the demo's policy.
 
-    `uniform_start` zeroes the output head, so every seed starts from the uniform next-word
-    distribution. A random head puts a seed-dependent bias on the replies that barely depends
-    on the prompt: on the two-door program seed 2 gave the two door words 3.7% of the mass and
-    the four answers 16%, so 99% of its trajectories failed to parse and its groups stayed flat
-    for ~15 steps. The other weights stay random, so the gradient reaches them after one update.
+    `head_scale` multiplies the output head's random init. At 1.0 (LeCun normal) the head puts a
+    seed-dependent bias on the replies that barely depends on the prompt: on the two-door
+    program seed 2 gave the door words 3.7% of the mass and the answers 16%, so 99% of its
+    trajectories failed to parse. At 0.25 every seed 0-9 starts within 15-25% (door) and
+    36-45% (answer) of the mass, and the gradient still reaches the body at the first step
+    (a zero head would stop it there).
     """
+    if not head_scale >= 0:
+        raise ValueError(f"head_scale must be >= 0, got {head_scale}")
     tokenizer = build_word_tokenizer(list(words))
     model = tiny_decoder(len(tokenizer), hidden_size=hidden_size, num_layers=num_layers, seed=seed)
-    if uniform_start:
+    if head_scale != 1.0:
         if model.lm_head is None:
-            raise ValueError("uniform_start needs an untied output head")
-        model.lm_head.kernel[...] = jnp.zeros_like(model.lm_head.kernel[...])
+            raise ValueError("head_scale needs an untied output head")
+        model.lm_head.kernel[...] = model.lm_head.kernel[...] * head_scale
     return model, tokenizer
