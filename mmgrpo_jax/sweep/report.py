@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.sweep.spec import Cell, SweepConfig, describe
 from mmgrpo_jax.sweep.stats import Interval, bootstrap_mean, paired_difference, steps_to_threshold
 
@@ -37,7 +38,7 @@ def read_run(config: SweepConfig, cell: Cell, seed: int) -> RunResult:
     run_dir = config.run_dir(cell, seed)
     summary = json.loads((run_dir / "summary.json").read_text())
     if config.score not in summary:
-        raise KeyError(
+        raise UserError(
             f"{run_dir / 'summary.json'} has no {config.score!r} (the sweep's score); it has "
             f"{sorted(summary)}"
         )

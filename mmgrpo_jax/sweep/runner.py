@@ -170,8 +170,6 @@ def _run_all(
                     continue
                 failure = _failure(config, child, code)
                 if code == 2:  # the run refused its config or folder: every run would
-                    todo.clear()
-                    _stop(running)
                     raise UserError(
                         f"run {child.cell.name} seed {child.seed} refused to start: "
                         f"{failure.last_line} (log: {failure.log})"
@@ -190,13 +188,13 @@ def _run_all(
                 bar.set_postfix(status)
                 shown = status
     except KeyboardInterrupt as err:
-        _stop(running)
         err.add_note(
             f"{len(results)}/{len(plan)} runs finished; running ones were stopped at their last "
             f"checkpoint; the same sweep again continues them ({config.out})"
         )
         raise
     finally:
+        _stop(running)  # on any way out: no run outlives its sweep
         bar.close()
     return failures
 

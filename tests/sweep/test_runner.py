@@ -176,3 +176,9 @@ def test_a_sweep_killed_mid_run_and_started_again_ends_with_the_same_table(tmp_p
     assert log.count("=== ") == 2  # the killed run was resumed, not restarted
     first = tmp_path / "interrupted" / "runs" / "lr-0.002" / "seed0" / runner.LOG
     assert first.read_text().count("=== ") == 1  # the finished one was skipped
+
+
+def test_a_score_the_runs_do_not_write_is_named(tmp_path, fake_runs):
+    config = _config(tmp_path / "sweep", seeds="0", score="accuracy")
+    with pytest.raises(UserError, match=r"no 'accuracy'.*'eval_reward_after'"):
+        run_sweep(config, progress=False)
