@@ -10,9 +10,9 @@ asks; `experiments/results/testbeds.md` says what the sweeps showed.
 * `counter`: the policy decides how many times its module is called (go / stop), so rollouts of
   one input have different invocation counts: per-invocation-index groups need an align rule,
   and `truncate` drops the late calls, which are the ones that decide when to stop.
-* `weak_link`: two easy modules (always "yes") around one hard one (a word's successor in a hidden
-  cycle); the reward is all-or-nothing, so with uniform credit the easy modules' calls carry the
-  hard one's failures.
+* `weak_link`: two easy modules (always "amber") around one hard one (a word's successor in a
+  hidden cycle); the reward is all-or-nothing, so with uniform credit the easy modules' calls
+  carry the hard one's failures.
 * `long_chain`: one module called `length` times in a row (each hop: the next word), rewarded by
   the fraction of right hops: trajectory-level groups give every hop its trajectory's advantage
   in one group; module-level groups normalise each invocation index on its own.
@@ -54,7 +54,12 @@ def exact_answer(example: Example, prediction: Prediction) -> float:
 
 
 class Counter(Module):
-    """step (target, count) -> go | stop, until stop or `max_calls`; the answer is the count."""
+    """step (left -> go | stop), until stop or `max_calls`; the answer is the count reached.
+
+    `left` is what remains to the target (the program counts), so the right policy is one word
+    per input (zero -> stop, else go), yet the number of calls is the policy's: a rollout that
+    stops early makes fewer calls than one that goes on.
+    """
 
     def __init__(self, max_calls: int = 3) -> None:
         if not 1 <= max_calls < len(NUMBERS):
@@ -62,10 +67,7 @@ class Counter(Module):
         self.max_calls = max_calls
         self.step = Predict(
             Signature(
-                (
-                    Field("target", str, "the number to count to"),
-                    Field("count", str, "the count so far"),
-                ),
+                (Field("left", str, "how many counts are left to the target"),),
                 (Field("action", Literal["go", "stop"], "go: count one more; stop: answer"),),
                 "Count up to the target, then stop.",
             ),
@@ -73,9 +75,10 @@ class Counter(Module):
         )
 
     def forward(self, target: str) -> Prediction:
-        count = 0
+        goal, count = NUMBERS.index(target), 0
         for _ in range(self.max_calls):
-            if self.step(target=target, count=NUMBERS[count]).action == "stop":
+            left = NUMBERS[goal - count] if count <= goal else "none"
+            if self.step(left=left).action == "stop":
                 break
             count += 1
         return Prediction(answer=NUMBERS[count])
@@ -90,37 +93,39 @@ def counter_examples(repeats: int = 1) -> list[Example]:
 
 # -- weak_link: one hard module between two easy ones ---------------------------------------
 
+FIRST = CYCLE[0]
+
 
 class WeakLink(Module):
-    """check (word -> yes) -> shift (word -> its successor) -> confirm (word -> yes)."""
+    """begin (word -> amber) -> shift (word -> its successor) -> end (word -> amber).
+
+    `begin` and `end` are easy (one constant reply, a bias to learn); `shift` is hard (a mapping
+    of its input). Every reply is a cycle word, so at a uniform start each call parses 4 times
+    in 11. The answer is shift's word, kept only when both easy calls said amber.
+    """
 
     def __init__(self) -> None:
-        def agree(instructions: str) -> Predict:
+        def word_module(output: str, description: str, instructions: str) -> Predict:
             return Predict(
                 Signature(
                     (Field("word", str, "a word"),),
-                    (Field("reply", Literal["yes", "no"], "yes or no"),),
+                    (Field(output, Literal[CYCLE], description),),
                     instructions,
                 ),
                 bare=True,
             )
 
-        self.check = agree("Say yes to accept the word.")
-        self.shift = Predict(
-            Signature(
-                (Field("word", str, "a word"),),
-                (Field("next", Literal[CYCLE], "the word that follows it"),),
-                "Name the word that follows this one.",
-            ),
-            bare=True,
-        )
-        self.confirm = agree("Say yes to confirm the word.")
+        # each instruction starts with a word of the vocabulary: the only way a word policy can
+        # tell the modules apart (their other prompt words are all [UNK] to it)
+        self.begin = word_module("first", "the first word of the cycle", "begin: the first word")
+        self.shift = word_module("next", "the word that follows it", "shift: the next word")
+        self.end = word_module("first", "the first word of the cycle", "end: the first word")
 
     def forward(self, word: str) -> Prediction:
-        checked = self.check(word=word).reply == "yes"
+        opened = self.begin(word=word).first == FIRST
         successor = self.shift(word=word).next
-        confirmed = self.confirm(word=successor).reply == "yes"
-        return Prediction(answer=successor if checked and confirmed else "refused")
+        closed = self.end(word=successor).first == FIRST
+        return Prediction(answer=successor if opened and closed else "refused")
 
 
 def word_examples(repeats: int = 1, hops: int = 1) -> list[Example]:
@@ -186,7 +191,7 @@ TESTBEDS = {
             lambda: counter_examples(repeats=4),
             counter_examples,
             exact_answer,
-            ("go", "stop", *NUMBERS),
+            ("go", "stop", "none", *NUMBERS),
         ),
         Testbed(
             "weak_link",
@@ -195,7 +200,7 @@ TESTBEDS = {
             lambda: word_examples(repeats=4),
             word_examples,
             exact_answer,
-            ("yes", "no", *CYCLE),
+            (*CYCLE, "begin", "shift", "end"),
         ),
         Testbed(
             "long_chain",

@@ -19,9 +19,9 @@ def oracle(program, *, wrong: str | None = None) -> ScriptedLM:
         signature = predictors[name].signature
         inputs = adapter.parse(Signature((), signature.inputs), messages[-1]["content"])
         right = {
-            "step": lambda: "stop" if inputs["count"] == inputs["target"] else "go",
-            "check": lambda: "yes",
-            "confirm": lambda: "yes",
+            "step": lambda: "stop" if inputs["left"] in ("zero", "none") else "go",
+            "begin": lambda: "amber",
+            "end": lambda: "amber",
             "shift": lambda: NEXT[inputs["word"]],
             "hop": lambda: NEXT[inputs["word"]],
             "door": lambda: testbeds.synthetic._RIGHT_DOOR[inputs["clue"]],

@@ -204,7 +204,6 @@ def test_an_engine_factory_is_built_on_the_policy_and_closed(tokenizer, tmp_path
     assert engine.closed and len(engine.updates) == 1
 
 
-
 def test_an_engine_that_is_neither_an_engine_nor_a_factory_is_refused(tokenizer):
     class Half:
         def submit(self, request):
