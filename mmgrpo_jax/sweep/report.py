@@ -34,14 +34,22 @@ class RunResult:
 
 
 def read_run(config: SweepConfig, cell: Cell, seed: int) -> RunResult:
-    """A finished run's numbers; a summary without the score key is the sweep's error."""
+    """A finished run's numbers; anything unreadable is an error naming the run's file."""
     run_dir = config.run_dir(cell, seed)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    if config.score not in summary:
+    path = run_dir / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
         raise UserError(
-            f"{run_dir / 'summary.json'} has no {config.score!r} (the sweep's score); it has "
-            f"{sorted(summary)}"
+            f"{path} cannot be read ({err}): remove the run folder to redo it"
+        ) from None
+    score = summary.get(config.score, "missing")
+    if score == "missing":
+        raise UserError(
+            f"{path} has no {config.score!r} (the sweep's score); it has {sorted(summary)}"
         )
+    if not isinstance(score, int | float) or isinstance(score, bool) or not math.isfinite(score):
+        raise UserError(f"{path}: {config.score} is {score!r}, not a finite number")
     curve = []
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
@@ -49,9 +57,7 @@ def read_run(config: SweepConfig, cell: Cell, seed: int) -> RunResult:
             row = json.loads(line)
             if config.curve in row:
                 curve.append((float(row["step"]), float(row[config.curve])))
-    return RunResult(
-        cell, seed, float(summary[config.score]), tuple(curve), float(summary["wall_seconds"])
-    )
+    return RunResult(cell, seed, float(score), tuple(curve), float(summary["wall_seconds"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +67,7 @@ class CellRow:
     score: Interval | None  # None until a run of the cell finished
     difference: Interval | None  # paired, against the baseline; None for the baseline itself
     reached: int  # seeds whose curve reached the threshold
-    median_steps: float | None  # median step at which those seeds reached it
+    median_steps: float | None  # over all seeds, unreached counting as never; None if < half
     wall_seconds: float | None  # mean per run
 
 
@@ -85,18 +91,22 @@ def cell_rows(config: SweepConfig, results: Sequence[RunResult]) -> list[CellRow
                 {s: base_scores[s] for s in shared},
                 confidence=config.confidence,
             )
-        steps = []
-        if config.threshold is not None:
+        reached, median = 0, None
+        if config.threshold is not None and runs:
             steps = [steps_to_threshold(r.curve, config.threshold) for r in runs.values()]
-            steps = [s for s in steps if s is not None]
+            reached = sum(s is not None for s in steps)
+            # a seed that never reached it counts as later than any that did (censored): the
+            # median exists only when at least half the seeds reached the threshold
+            median = statistics.median(math.inf if s is None else s for s in steps)
+            median = None if math.isinf(median) else median
         rows.append(
             CellRow(
                 cell,
                 len(runs),
                 interval,
                 difference,
-                len(steps),
-                statistics.median(steps) if steps else None,
+                reached,
+                median,
                 float(np.mean([r.wall_seconds for r in runs.values()])) if runs else None,
             )
         )
@@ -119,12 +129,14 @@ def markdown(config: SweepConfig, rows: Sequence[CellRow]) -> str:
     reach = f"reached {config.curve} >= {config.threshold}" if config.threshold is not None else ""
     head = [*axes, "runs", f"{config.score} mean [{pct} CI]", f"diff vs baseline [{pct} CI]"]
     if reach:
-        head += ["seeds that " + reach, "median steps to it"]
+        head += ["seeds that " + reach, "median steps to it (all seeds)"]
     head.append("wall s / run")
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for row in rows:
         labels = dict(row.cell.labels)
         diff = "baseline" if row.cell == config.baseline_cell else _interval_text(row.difference)
+        if row.difference is not None:
+            diff += f" (n={row.difference.n})"
         cells = [*(labels[a] for a in axes), f"{row.runs}/{len(config.seeds)}"]
         cells += [_interval_text(row.score), diff]
         if reach:
@@ -137,7 +149,18 @@ def markdown(config: SweepConfig, rows: Sequence[CellRow]) -> str:
         f"is the percentile bootstrap over seeds; differences are paired by seed against the "
         f"baseline cell ({config.baseline_cell.name}). Written by `mmgrpo sweep`.\n"
     )
-    return f"# {title}\n\n{intro}\n" + "\n".join(lines) + "\n"
+    notes = []
+    if any(0 < row.runs < 5 for row in rows):
+        notes.append(
+            "\nIntervals over fewer than 5 seeds are rough: a bootstrap cannot reach beyond the "
+            "seeds' own range, so they understate the uncertainty.\n"
+        )
+    if reach:
+        notes.append(
+            "\nThe median step counts a seed that never reached the threshold as later than "
+            "any that did; it is blank when fewer than half the seeds reached it.\n"
+        )
+    return f"# {title}\n\n{intro}\n" + "\n".join(lines) + "\n" + "".join(notes)
 
 
 def table_csv(config: SweepConfig, rows: Sequence[CellRow]) -> str:
@@ -256,7 +279,7 @@ def write_report(config: SweepConfig, results: Sequence[RunResult]) -> list[Cell
         ("table.csv", table_csv(config, rows)),
         ("runs.csv", runs_csv(config, results)),
     ):
-        _write_atomic(out / name, text)
+        write_atomic(out / name, text)
     if any(r.curve for r in results):
         partial = out / "curves.partial.png"
         plot_curves(config, results, partial)
@@ -264,7 +287,7 @@ def write_report(config: SweepConfig, results: Sequence[RunResult]) -> list[Cell
     return rows
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     partial = path.with_name(path.name + ".partial")
     partial.write_text(text)
     partial.replace(path)

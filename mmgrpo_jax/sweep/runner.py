@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from typing import IO, TextIO
 from tqdm import tqdm
 
 from mmgrpo_jax.errors import UserError
-from mmgrpo_jax.sweep.report import CellRow, RunResult, read_run, write_report
+from mmgrpo_jax.sweep.report import CellRow, RunResult, read_run, write_atomic, write_report
 from mmgrpo_jax.sweep.spec import Cell, SweepConfig, identity_json
 from mmgrpo_jax.trainer.run_lock import RunLock
 
@@ -82,7 +83,7 @@ def run_sweep(
     check_runs(config)
     sweep_dir = Path(config.out)
     with RunLock(sweep_dir):
-        (sweep_dir / "sweep.json").write_text(json.dumps(_describe(config), indent=2) + "\n")
+        write_atomic(sweep_dir / "sweep.json", json.dumps(_describe(config), indent=2) + "\n")
         plan = [(cell, seed) for cell in config.cells for seed in config.seeds]
         results: list[RunResult] = []
         todo = []
@@ -125,15 +126,33 @@ def _check_identity(config: SweepConfig, cell: Cell, seed: int) -> None:
     path = config.run_dir(cell, seed) / IDENTITY
     if not path.is_file():
         return
-    expected = json.loads(identity_json(config.identity(cell, seed)))
-    found = json.loads(path.read_text())
+    expected = _settings(json.loads(identity_json(config.identity(cell, seed))))
+    try:
+        found = _settings(json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError, AttributeError):
+        found = {"(unreadable)": path.read_text()[:80]}
     if found != expected:
         changed = sorted(k for k in set(found) | set(expected) if found.get(k) != expected.get(k))
-        details = "; ".join(f"{k}: {found.get(k)!r} -> {expected.get(k)!r}" for k in changed)
+        details = ", ".join(f"{k}: {found.get(k)!r} -> {expected.get(k)!r}" for k in changed)
         raise UserError(
-            f"{path.parent} holds a run of another sweep setting ({details}): give this sweep "
+            f"{path.parent} holds a run of another setting ({details}): give this sweep "
             "another out folder, or remove that run folder"
         )
+
+
+def _settings(identity: dict) -> dict:
+    """An identity as flat `key: value` settings, for a diff a user can read."""
+    return {"command": identity.get("command"), **_flat(identity.get("config", identity))}
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _run_all(
@@ -169,11 +188,6 @@ def _run_all(
                     bar.update()
                     continue
                 failure = _failure(config, child, code)
-                if code == 2:  # the run refused its config or folder: every run would
-                    raise UserError(
-                        f"run {child.cell.name} seed {child.seed} refused to start: "
-                        f"{failure.last_line} (log: {failure.log})"
-                    )
                 failures.append(failure)
                 logger.warning(
                     "run %s seed %d failed with exit code %d: %s (log: %s)",
@@ -203,9 +217,10 @@ def _launch(config: SweepConfig, cell: Cell, seed: int) -> _Child:
     run_dir = config.run_dir(cell, seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     _wait_for_release(run_dir)
-    identity = config.run_dir(cell, seed) / IDENTITY
+    _check_identity(config, cell, seed)  # also here: two cells must never share a folder
+    identity = run_dir / IDENTITY
     if not identity.is_file():
-        identity.write_text(identity_json(config.identity(cell, seed)) + "\n")
+        write_atomic(identity, identity_json(config.identity(cell, seed)) + "\n")
     command = command_line(config, cell, seed)
     log = (run_dir / LOG).open("a")
     log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
@@ -216,7 +231,10 @@ def _launch(config: SweepConfig, cell: Cell, seed: int) -> _Child:
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        preexec_fn=_die_with_parent,
+        # its own process group: a terminal's Ctrl-C reaches the sweep only, which stops each
+        # run with one SIGTERM (a second signal would make a run skip its checkpoint)
+        start_new_session=True,
+        preexec_fn=functools.partial(_die_with_parent, os.getpid()),
     )
     return _Child(cell, seed, process, log)
 
@@ -238,10 +256,16 @@ def child_environment(config: SweepConfig) -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the sweep process dies (Linux prctl)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None  # looked up before fork
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child before exec: SIGTERM when the sweep process dies (Linux prctl); a sweep
+    that already died before this ran gets no child."""
+    if _LIBC is not None and _LIBC.prctl(1, signal.SIGTERM) != 0:  # PR_SET_PDEATHSIG
+        os._exit(125)
+    if os.getppid() != parent:
+        os._exit(125)
 
 
 def _wait_for_release(run_dir: Path) -> None:

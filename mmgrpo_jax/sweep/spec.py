@@ -20,7 +20,6 @@ On the command line the same grid is ``--grid "grouping=module,trajectory loss=g
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import json
 import math
@@ -133,6 +132,13 @@ class SweepConfig:
                             f"sweep grid axis {axis.name!r} sets {key!r}, which the sweep sets "
                             "on every run itself (seeds go in `seeds`)"
                         )
+        folders = [c.folder for c in self.cells]
+        clashes = sorted({f for f in folders if folders.count(f) > 1})
+        if clashes:
+            raise UserError(
+                f"sweep grid values {clashes} name the same run folder after cleaning; give "
+                "the values labels that differ in letters, digits, '.', '_' or '-'"
+            )
         if self.baseline:
             matches = [c for c in self.cells if dict(c.labels) == dict(self.baseline)]
             if len(matches) != 1:
@@ -175,14 +181,19 @@ class SweepConfig:
 
     def identity(self, cell: Cell, seed: int) -> dict[str, Any]:
         """What makes a run the same run: a restarted sweep reuses a run folder only if this
-        matches (a changed base config or grid value is a new run, not a finished one)."""
-        text = Path(self.config).read_text() if self.config else ""
-        return {
-            "command": self.command,
-            "config": self.config,
-            "config_sha256": hashlib.sha256(text.encode()).hexdigest(),
-            "overrides": self.run_overrides(cell, seed),
-        }
+        matches. It holds the run's resolved config (so a changed default, base config file or
+        grid value is a new run, not a finished one), without the folder's own path (so the
+        sweep folder may move)."""
+        from mmgrpo_jax.cli import command_config  # the cli imports this module
+
+        overrides = self.run_overrides(cell, seed)
+        resolved = dataclasses.asdict(command_config(self.command, self.config, overrides))
+        *parents, leaf = COMMANDS[self.command].run_dir.split(".")
+        node = resolved
+        for part in parents:
+            node = node[part]
+        node.pop(leaf)
+        return {"command": self.command, "config": json.loads(json.dumps(resolved))}
 
 
 def _check_override(override: str, where: str) -> str:
@@ -292,8 +303,9 @@ def sweep_config(values: Mapping[str, Any], where: str = "sweep") -> SweepConfig
         kwargs["overrides"] = tuple(str(o) for o in overrides)
     for key, kind in (("jobs", int), ("threshold", float), ("confidence", float)):
         value = kwargs.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise UserError(f"{where}: {key} must be a number, got {value!r}")
+        allowed = int if kind is int else int | float
+        if value is not None and (isinstance(value, bool) or not isinstance(value, allowed)):
+            raise UserError(f"{where}: {key} must be {kind.__name__}, got {value!r}")
         if value is not None:
             kwargs[key] = kind(value)
     if not isinstance(kwargs.get("single_thread", False), bool):
@@ -312,7 +324,10 @@ def load_sweep(path: str | Path | None, **cli: Any) -> SweepConfig:
         if not isinstance(values, Mapping):
             raise UserError(f"sweep file {str(path)!r} must be a mapping, got {values!r}")
         values = dict(values)
-    values.update({k: v for k, v in cli.items() if v is not None})
+    given = {k: v for k, v in cli.items() if v is not None}
+    if "overrides" in given:  # the command line's overrides go after the file's (later wins)
+        given["overrides"] = [*(values.get("overrides") or []), *given["overrides"]]
+    values.update(given)
     where = f"sweep file {str(path)!r}" if path else "sweep"
     return sweep_config(values, where)
 

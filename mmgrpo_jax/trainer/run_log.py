@@ -100,7 +100,10 @@ class RunLogger:
             "wall_seconds": self.elapsed,
             **summary,
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(full, indent=2))
+        # atomic: summary.json is how a sweep (or a resume) knows the run finished
+        partial = self.run_dir / "summary.json.partial"
+        partial.write_text(json.dumps(full, indent=2))
+        partial.replace(self.run_dir / "summary.json")
         self._plot()
         if self._writer is not None:
             self._writer.close()

@@ -2,6 +2,7 @@ import csv
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -91,7 +92,7 @@ def test_a_run_folder_of_another_setting_is_refused(tmp_path, fake_runs):
         out=str(tmp_path / "sweep"),
         overrides=["num_steps=5"],
     )
-    with pytest.raises(UserError, match=r"another sweep setting.*num_steps=6"):
+    with pytest.raises(UserError, match=r"another setting \(num_steps: 6 -> 5\)"):
         run_sweep(changed, progress=False)
 
 
@@ -109,10 +110,18 @@ def test_a_failed_run_is_reported_and_the_others_finish(tmp_path, fake_runs, mon
     assert table[1]["runs"] == "2" and table[1]["diff_seeds"] == "2"  # paired on shared seeds
 
 
-def test_a_run_that_refuses_its_config_stops_the_sweep(tmp_path, fake_runs, monkeypatch):
-    monkeypatch.setattr(runner, "command_line", lambda *a: [*fake_command_line(*a), "fail=2"])
-    with pytest.raises(UserError, match="refused to start: fake run: failing on purpose"):
-        run_sweep(_config(tmp_path / "sweep"), progress=False)
+def test_a_run_that_exits_2_is_one_failed_run(tmp_path, fake_runs, monkeypatch):
+    """Configs were all built before the start, so an exit 2 is that run's folder, checkpoint
+    or machine: the run fails and the others go on."""
+
+    def first_refuses(config, cell, seed):
+        extra = ["fail=2"] if (dict(cell.labels)["lr"], seed) == ("0.002", 0) else []
+        return [*fake_command_line(config, cell, seed), *extra]
+
+    monkeypatch.setattr(runner, "command_line", first_refuses)
+    report = run_sweep(_config(tmp_path / "sweep", jobs=2), progress=False)
+    assert [(f.seed, f.exit_code) for f in report.failures] == [(0, 2)]
+    assert len(report.results) == 5
 
 
 def test_a_bad_grid_value_is_refused_before_any_run(tmp_path, fake_runs):
@@ -122,7 +131,7 @@ def test_a_bad_grid_value_is_refused_before_any_run(tmp_path, fake_runs):
     assert not (tmp_path / "runs").exists()
 
 
-def _sweep_process(out: Path, env: dict[str, str]) -> subprocess.Popen:
+def _sweep_process(out: Path, env: dict[str, str], *extra: str) -> subprocess.Popen:
     command = [
         sys.executable,
         str(REPO / "tests" / "sweep" / "fake_sweep.py"),
@@ -138,6 +147,7 @@ def _sweep_process(out: Path, env: dict[str, str]) -> subprocess.Popen:
         "--threshold",
         "0.5",
         "num_steps=8",
+        *extra,
     ]
     return subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -165,8 +175,8 @@ def test_a_sweep_killed_mid_run_and_started_again_ends_with_the_same_table(tmp_p
             time.sleep(0.05)
     assert json.loads(checkpoint.read_text())["step"] < 8
     restarted = _sweep_process(tmp_path / "interrupted", env)
-    assert restarted.wait(timeout=120) == 0, restarted.stderr.read()
-    assert reference.wait(timeout=120) == 0, reference.stderr.read()
+    assert restarted.communicate(timeout=120) and restarted.returncode == 0
+    assert reference.communicate(timeout=120) and reference.returncode == 0
     for name in ("table.csv", "runs.csv"):
         done = (tmp_path / "interrupted" / name).read_text()
         assert _without_wall_time(done) == _without_wall_time(
@@ -182,3 +192,26 @@ def test_a_score_the_runs_do_not_write_is_named(tmp_path, fake_runs):
     config = _config(tmp_path / "sweep", seeds="0", score="accuracy")
     with pytest.raises(UserError, match=r"no 'accuracy'.*'eval_reward_after'"):
         run_sweep(config, progress=False)
+
+
+def test_sigterm_stops_every_run_and_the_same_sweep_finishes_them(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FAKE_STEP_SECONDS": "0.3"}
+    out = tmp_path / "sweep"
+    sweep = _sweep_process(out, env, "--jobs", "2")
+    checkpoints = [out / "runs" / "lr-0.002" / f"seed{s}" / "ckpt.json" for s in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not all(c.is_file() for c in checkpoints):  # both runs are under way
+        assert time.monotonic() < deadline and sweep.poll() is None
+        time.sleep(0.05)
+    sweep.send_signal(signal.SIGTERM)
+    _, stderr = sweep.communicate(timeout=60)
+    assert sweep.returncode == 143, stderr
+    assert "stopped by SIGTERM" in stderr and "runs finished" in stderr
+    for checkpoint in checkpoints:  # no run outlived the sweep: their folders are free
+        with RunLock(checkpoint.parent):
+            pass
+        assert json.loads(checkpoint.read_text())["step"] < 8
+    again = _sweep_process(out, env, "--jobs", "2")
+    _, stderr = again.communicate(timeout=120)
+    assert again.returncode == 0, stderr
+    assert len(list(csv.DictReader((out / "runs.csv").open()))) == 4

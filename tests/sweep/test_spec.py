@@ -88,3 +88,29 @@ def test_the_committed_sweep_files_build_every_run_config():
         config = load_sweep(path)
         check_runs(config)  # every cell's DemoConfig validates
         assert config.out.startswith("experiments/results/"), path
+
+
+def test_values_that_clean_to_one_folder_are_refused():
+    with pytest.raises(UserError, match="name the same run folder"):
+        load_sweep(None, command="demo", grid={"loss": {"a b": {"loss": "grpo"}, "a/b": {}}})
+
+
+def test_jobs_must_be_a_whole_number():
+    with pytest.raises(UserError, match=r"jobs must be int, got 2\.7"):
+        load_sweep(None, command="demo", jobs=2.7)
+
+
+def test_command_line_overrides_go_after_the_files():
+    config = load_sweep(
+        REPO / "experiments" / "sweeps" / "testbed_counter.yaml", overrides=["num_steps=20"]
+    )
+    assert config.overrides[0] == "testbed=counter" and config.overrides[-1] == "num_steps=20"
+
+
+def test_a_run_is_identified_by_its_resolved_config_not_its_folder():
+    one = load_sweep(None, command="demo", grid="lr=0.01", out="/tmp/a")
+    other = load_sweep(None, command="demo", grid="lr=0.01", out="/elsewhere/b")
+    (cell,) = one.cells
+    assert one.identity(cell, 0) == other.identity(cell, 0)
+    assert one.identity(cell, 0)["config"]["head_scale"] == 0.25  # defaults are part of it
+    assert one.identity(cell, 0) != one.identity(cell, 1)

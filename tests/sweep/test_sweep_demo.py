@@ -2,6 +2,7 @@
 
 import csv
 import io
+import json
 import os
 import subprocess
 import sys
@@ -54,7 +55,8 @@ def _rows(path: Path) -> list[dict[str, str]]:
 @pytest.mark.slow
 def test_a_killed_demo_sweep_resumes_to_the_table_of_an_uninterrupted_one(tmp_path):
     reference = _sweep(tmp_path / "reference")
-    assert reference.wait(timeout=900) == 0, reference.stderr.read()
+    _, stderr = reference.communicate(timeout=900)
+    assert reference.returncode == 0, stderr
     interrupted = _sweep(tmp_path / "interrupted")
     steps = tmp_path / "interrupted" / "runs" / "grouping-module" / "seed0" / "checkpoints"
     deadline = time.monotonic() + 600
@@ -64,7 +66,10 @@ def test_a_killed_demo_sweep_resumes_to_the_table_of_an_uninterrupted_one(tmp_pa
     interrupted.kill()
     interrupted.wait()
     restarted = _sweep(tmp_path / "interrupted")
-    assert restarted.wait(timeout=900) == 0, restarted.stderr.read()
+    _, stderr = restarted.communicate(timeout=900)
+    assert restarted.returncode == 0, stderr
+    log = steps.parent / "sweep.log"
+    assert log.read_text().count("=== ") == 2  # the killed run was resumed, not redone
     for name in ("table.csv", "runs.csv"):
         assert _rows(tmp_path / "interrupted" / name) == _rows(tmp_path / "reference" / name)
     for grouping in ("module", "trajectory"):
@@ -75,8 +80,6 @@ def test_a_killed_demo_sweep_resumes_to_the_table_of_an_uninterrupted_one(tmp_pa
 
 
 def _losses(line: str) -> tuple:
-    import json
-
     row = json.loads(line)
     return tuple(
         (k, round(v, 6))
