@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 from mmgrpo_jax.cli.config import load_config
 from mmgrpo_jax.errors import UserError
+from mmgrpo_jax.sweep.child import die_with_parent
 from mmgrpo_jax.trainer.interrupt import Interrupted, StopSignals, exit_code
 from models.config import CheckpointError
 
@@ -27,6 +28,7 @@ def _config_arguments(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    die_with_parent()  # a sweep's run: SIGTERM (a checkpoint) when the sweep dies
     parser = argparse.ArgumentParser(prog="mmgrpo", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(

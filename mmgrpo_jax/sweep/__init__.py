@@ -1,7 +1,23 @@
-"""Sweeps over configs and seeds, and the statistics that say whether a difference is real."""
+"""Sweeps over configs and seeds, and the statistics that say whether a difference is real.
 
-from mmgrpo_jax.sweep.report import CellRow, RunResult
-from mmgrpo_jax.sweep.runner import SweepReport, run_sweep
-from mmgrpo_jax.sweep.spec import SweepConfig, load_sweep
+Names load on first use: a sweep's child runs import `sweep.child` before anything heavy.
+"""
 
-__all__ = ["CellRow", "RunResult", "SweepConfig", "SweepReport", "load_sweep", "run_sweep"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CellRow": "report",
+    "RunResult": "report",
+    "SweepReport": "runner",
+    "run_sweep": "runner",
+    "SweepConfig": "spec",
+    "load_sweep": "spec",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -260,7 +260,8 @@ def plot_curves(config: SweepConfig, results: Sequence[RunResult], path: Path) -
         if config.threshold is not None:
             ax.axhline(config.threshold, color="grey", lw=0.8, ls="--")
         title = f"{config.grid[0].name}={panel}" if panel is not None else config.title
-        ax.set(title=title, xlabel="step", ylabel=config.curve)
+        ax.set_title(title, fontsize="medium")
+        ax.set(xlabel="step", ylabel=config.curve)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="lower right", fontsize="small")
     fig.tight_layout()

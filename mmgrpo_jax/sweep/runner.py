@@ -5,14 +5,13 @@ stays in its run and a stopped sweep loses at most the steps since each run's la
 started again, the sweep skips runs whose summary.json exists and resumes the others. Runs are
 launched in a fixed order and the report is rewritten after every finished run. The sweep
 folder is locked (one sweep per folder); children get SIGTERM if the sweep dies, even by
-SIGKILL (Linux), so they checkpoint and release their run folders instead of running orphaned.
+SIGKILL (Linux, `sweep.child`), so they checkpoint and release their run folders instead of
+running orphaned.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from typing import IO, TextIO
 from tqdm import tqdm
 
 from mmgrpo_jax.errors import UserError
+from mmgrpo_jax.sweep.child import PARENT_ENV
 from mmgrpo_jax.sweep.report import CellRow, RunResult, read_run, write_atomic, write_report
 from mmgrpo_jax.sweep.spec import Cell, SweepConfig, identity_json
 from mmgrpo_jax.trainer.run_lock import RunLock
@@ -234,7 +234,6 @@ def _launch(config: SweepConfig, cell: Cell, seed: int) -> _Child:
         # its own process group: a terminal's Ctrl-C reaches the sweep only, which stops each
         # run with one SIGTERM (a second signal would make a run skip its checkpoint)
         start_new_session=True,
-        preexec_fn=functools.partial(_die_with_parent, os.getpid()),
     )
     return _Child(cell, seed, process, log)
 
@@ -248,24 +247,13 @@ def command_line(config: SweepConfig, cell: Cell, seed: int) -> list[str]:
 
 
 def child_environment(config: SweepConfig) -> dict[str, str]:
-    """This process's environment, with XLA's CPU work on one thread if the sweep says so."""
-    env = dict(os.environ)
+    """This process's environment, naming this process as the parent the run must die with,
+    and with XLA's CPU work on one thread if the sweep says so."""
+    env = {**os.environ, PARENT_ENV: str(os.getpid())}  # the child dies with us (sweep.child)
     if config.single_thread:
         flags = env.get("XLA_FLAGS", "")
         env["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false".strip()
     return env
-
-
-_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None  # looked up before fork
-
-
-def _die_with_parent(parent: int) -> None:
-    """In the child before exec: SIGTERM when the sweep process dies (Linux prctl); a sweep
-    that already died before this ran gets no child."""
-    if _LIBC is not None and _LIBC.prctl(1, signal.SIGTERM) != 0:  # PR_SET_PDEATHSIG
-        os._exit(125)
-    if os.getppid() != parent:
-        os._exit(125)
 
 
 def _wait_for_release(run_dir: Path) -> None:

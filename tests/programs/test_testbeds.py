@@ -90,6 +90,7 @@ def test_each_testbed_trains_end_to_end_with_the_tiny_policy(name, tmp_path):
         examples_per_step=4,
         num_rollouts=2,
         hidden_size=8,
+        num_layers=1,
         run_dir=str(tmp_path / name),
         progress=False,
     )

@@ -10,11 +10,18 @@ the time a step takes.
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import os
 import sys
 import time
 from pathlib import Path
+
+# sweep/child.py itself, without importing the mmgrpo_jax package (seconds of JAX imports)
+_CHILD = Path(__file__).resolve().parents[2] / "mmgrpo_jax" / "sweep" / "child.py"
+_spec = importlib.util.spec_from_file_location("sweep_child", _CHILD)
+child = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(child)
 
 
 def curve_value(seed: int, lr: float, step: int) -> float:
@@ -22,6 +29,7 @@ def curve_value(seed: int, lr: float, step: int) -> float:
 
 
 def main(argv: list[str]) -> int:
+    child.die_with_parent()
     args = dict(a.split("=", 1) for a in argv)
     if "fail" in args:
         print(f"fake run: failing on purpose with {args['fail']}", file=sys.stderr)
