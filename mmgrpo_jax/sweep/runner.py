@@ -29,6 +29,7 @@ from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.sweep.child import PARENT_ENV
 from mmgrpo_jax.sweep.report import CellRow, RunResult, read_run, write_atomic, write_report
 from mmgrpo_jax.sweep.spec import Cell, SweepConfig, identity_json
+from mmgrpo_jax.trainer.config import changed_keys, flatten
 from mmgrpo_jax.trainer.run_lock import RunLock
 
 logger = logging.getLogger(__name__)
@@ -126,13 +127,13 @@ def _check_identity(config: SweepConfig, cell: Cell, seed: int) -> None:
     path = config.run_dir(cell, seed) / IDENTITY
     if not path.is_file():
         return
-    expected = _settings(json.loads(identity_json(config.identity(cell, seed))))
+    expected = _settings(config.identity(cell, seed))  # already JSON-shaped
     try:
         found = _settings(json.loads(path.read_text()))
     except (json.JSONDecodeError, TypeError, AttributeError):
         found = {"(unreadable)": path.read_text()[:80]}
-    if found != expected:
-        changed = sorted(k for k in set(found) | set(expected) if found.get(k) != expected.get(k))
+    changed = changed_keys(found, expected)
+    if changed:
         details = ", ".join(f"{k}: {found.get(k)!r} -> {expected.get(k)!r}" for k in changed)
         raise UserError(
             f"{path.parent} holds a run of another setting ({details}): give this sweep "
@@ -142,17 +143,7 @@ def _check_identity(config: SweepConfig, cell: Cell, seed: int) -> None:
 
 def _settings(identity: dict) -> dict:
     """An identity as flat `key: value` settings, for a diff a user can read."""
-    return {"command": identity.get("command"), **_flat(identity.get("config", identity))}
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+    return {"command": identity.get("command"), **flatten(identity.get("config", identity))}
 
 
 def _run_all(

@@ -8,6 +8,7 @@ overrides address sections with dotted keys (`sampler.temperature=0.7`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -176,3 +177,24 @@ class MMGRPOConfig:
         is the longest completion the sampler may return."""
         limit = self.sampler.max_completion_tokens
         return dataclasses.replace(self.loss, max_completion_length=limit)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as dotted `key: value` pairs (for diffs a user can read)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The keys whose values differ between two flattened configs (NaN equals NaN)."""
+
+    def same(a: Any, b: Any) -> bool:
+        both_nan = isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+        return both_nan or a == b
+
+    return sorted(k for k in set(old) | set(new) if not same(old.get(k), new.get(k)))

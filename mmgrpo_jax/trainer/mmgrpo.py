@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -49,7 +48,13 @@ from mmgrpo_jax.rl.step import (
 )
 from mmgrpo_jax.rl.types import Metric, Trajectory
 from mmgrpo_jax.trainer.checkpoint import Checkpointer, Restored, refuse_foreign_checkpoints
-from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
+from mmgrpo_jax.trainer.config import (
+    MMGRPOConfig,
+    OptimConfig,
+    SamplerConfig,
+    changed_keys,
+    flatten,
+)
 from mmgrpo_jax.trainer.interrupt import Interrupted, StopSignals
 from mmgrpo_jax.trainer.run_lock import RunLock
 from mmgrpo_jax.trainer.run_log import RunLogger
@@ -179,21 +184,6 @@ RESUMABLE_FIELDS = frozenset(
         "sampler.max_wait_s",
     }
 )
-
-
-def _same(a: Any, b: Any) -> bool:
-    both_nan = isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
-    return both_nan or a == b
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 ENGINE_METHODS = (
@@ -601,9 +591,9 @@ class MMGRPO:
     def _check_resumable(self, meta: dict[str, Any]) -> None:
         """A resume continues the same run: only run-length, logging, stopping and timing
         fields may differ from the checkpoint's config."""
-        saved = _flat(meta["config"])
-        now = _flat(json.loads(json.dumps(dataclasses.asdict(self.config))))
-        changed = sorted(k for k in set(saved) | set(now) if not _same(saved.get(k), now.get(k)))
+        saved = flatten(meta["config"])
+        now = flatten(json.loads(json.dumps(dataclasses.asdict(self.config))))
+        changed = changed_keys(saved, now)
         refused = [k for k in changed if k not in RESUMABLE_FIELDS]
         if refused:
             listed = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in refused)
