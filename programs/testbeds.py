@@ -3,7 +3,8 @@
 Each testbed is a program of bare (one-word-reply) predictors with its examples, metric and word
 vocabulary, so the demo's tiny from-scratch policy learns it in minutes on 2 cores
 (`mmgrpo demo testbed=<name>`, and `mmgrpo sweep` over its settings). Each names the question it
-asks; `experiments/results/testbeds.md` says what the sweeps showed.
+asks; the README's "CPU testbeds" section says what the sweeps showed
+(`experiments/results/testbed_*/`).
 
 * `two_doors`: the demo (`programs.synthetic.TwoDoors`): two modules, each one's signal depends
   on the other.

@@ -5,6 +5,12 @@ in full (no LoRA: nothing is pretrained) with module-level (default) or trajecto
 grouping, on the two-door program by default or another `programs.testbeds` program. The run
 directory gets metrics.jsonl, TensorBoard events, learning_curve.png, orbax checkpoints and
 summary.json with the greedy eval reward before and after.
+
+`method` runs the paper's Table 1 alternatives on the same program and policy instead: the
+program as written (`vanilla`), MIPROv2 prompt optimization (`prompt_opt`) and BetterTogether
+(`better_together`: MIPROv2, then mmGRPO on its prompts; the mmGRPO run lives in
+`<run_dir>/weights`). Their prompt model is scripted (`testing.word_prompt_model`): it writes
+instructions from the task's words, the only words a word policy can read.
 """
 
 from __future__ import annotations
@@ -13,24 +19,37 @@ import dataclasses
 import datetime
 import json
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
 from transformers import PreTrainedTokenizerFast
 
+from mmgrpo_jax.engines.base import Sampling
+from mmgrpo_jax.engines.lm import EngineLM
+from mmgrpo_jax.program import Module
+from mmgrpo_jax.prompt_opt.better_together import BetterTogether
+from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
 from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.rl.rollout import quiet_failure_warnings
-from mmgrpo_jax.testing import word_policy
+from mmgrpo_jax.testing import word_policy, word_prompt_model
 from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
-from mmgrpo_jax.trainer.mmgrpo import MMGRPO, check_run_dir
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, check_run_dir, default_engine, evaluate
+from mmgrpo_jax.trainer.run_lock import RunLock
+from mmgrpo_jax.trainer.run_log import write_atomic
 from models.config import ModelConfig
 from models.decoder import Decoder
-from programs.testbeds import testbed
+from programs.testbeds import Testbed, testbed
+
+# Table 1's methods; "mmgrpo" is the demo itself
+METHODS = ("mmgrpo", "vanilla", "prompt_opt", "better_together")
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
     testbed: str = "two_doors"  # a programs.testbeds name
+    method: str = "mmgrpo"  # or Table 1's vanilla | prompt_opt | better_together
+    prompt_candidates: int = 6  # prompt_opt, better_together: instructions and demo sets
     grouping: str = "module"
     num_steps: int = 150
     num_rollouts: int = 8
@@ -59,6 +78,12 @@ class DemoConfig:
             testbed(self.testbed)
         except ValueError as err:
             raise ValueError(f"DemoConfig.{err}") from None
+        if self.method not in METHODS:
+            raise ValueError(f"DemoConfig.method must be one of {METHODS}, got {self.method!r}")
+        if self.prompt_candidates < 2:
+            raise ValueError(
+                f"DemoConfig.prompt_candidates must be >= 2, got {self.prompt_candidates}"
+            )
         if self.grouping not in ("module", "trajectory"):
             raise ValueError(
                 f"DemoConfig.grouping must be 'module' or 'trajectory', got {self.grouping!r}"
@@ -126,8 +151,10 @@ def new_run_dir(parent: str | Path = "runs") -> Path:
 
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
-    """Train and return summary.json's content."""
+    """Train (or run `config.method`) and return summary.json's content."""
     run_dir = Path(config.run_dir) if config.run_dir else new_run_dir()
+    if config.method != "mmgrpo":
+        return run_method(config, run_dir)
     settings = mmgrpo_config(config, run_dir)
     check_run_dir(settings)  # before the model is built
     model, tokenizer = tiny_policy(config)
@@ -141,6 +168,71 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     )
     optimizer.compile(bed.program(), bed.trainset(), bed.valset())
     return {**optimizer.summary, "run_dir": str(run_dir)}
+
+
+def run_method(config: DemoConfig, run_dir: Path) -> dict[str, Any]:
+    """A Table 1 alternative to the demo's mmGRPO run, scored like it (greedy eval reward on
+    the valset before and after) into the same summary.json, so a sweep compares them."""
+    bed = testbed(config.testbed)
+    weights = mmgrpo_config(config, run_dir / "weights")  # better_together's mmGRPO stage
+    with RunLock(run_dir):
+        if config.method == "better_together":
+            check_run_dir(weights)
+        start = time.perf_counter()
+        model, tokenizer = tiny_policy(config)
+        stop = [tokenizer.eos_token_id]
+        engine = default_engine(model, stop, weights)  # mmGRPO trains what the greedy LM reads
+        greedy = EngineLM(engine, tokenizer, sampling=Sampling(1, temperature=0.0))
+
+        def score(program: Module, examples: list) -> float:
+            return evaluate(program, examples, bed.metric, greedy)
+
+        try:
+            program, valset = bed.program(), bed.valset()
+            before = score(program, valset)
+            details: dict[str, Any] = {}
+            if config.method == "prompt_opt":
+                optimizer = prompt_optimizer(config, bed, greedy)
+                program = optimizer.compile(program, bed.trainset(), valset)
+            elif config.method == "better_together":
+                mmgrpo = MMGRPO(
+                    bed.metric,
+                    weights,
+                    model=model,
+                    tokenizer=tokenizer,
+                    stop_token_ids=stop,
+                    engine=engine,
+                )
+                together = BetterTogether(
+                    score, prompt_optimizer(config, bed, greedy), mmgrpo, seed=config.seed
+                )
+                program = together.compile(program, bed.trainset(), valset, "p -> w")
+                details["stages"] = {stage.name: stage.score for stage in together.stages}
+            after = score(program, valset)
+        finally:
+            engine.close()
+        summary = {
+            "method": config.method,
+            "eval_reward_before": before,
+            "eval_reward_after": after,
+            "wall_seconds": time.perf_counter() - start,
+            **details,
+        }
+        write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
+    return {**summary, "run_dir": str(run_dir)}
+
+
+def prompt_optimizer(config: DemoConfig, bed: Testbed, lm: EngineLM) -> MIPROv2:
+    """MIPROv2 with a scripted prompt model; candidates are scored by the greedy policy."""
+    settings = PromptOptConfig(
+        auto=None,
+        num_candidates=config.prompt_candidates,
+        bootstrap_pool=len(bed.trainset()),
+        seed=config.seed,
+    )
+    return MIPROv2(
+        bed.metric, settings, prompt_lm=word_prompt_model(bed.vocabulary, config.seed), lm=lm
+    )
 
 
 def main(config: DemoConfig, out: TextIO) -> int:

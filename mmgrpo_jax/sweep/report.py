@@ -22,6 +22,7 @@ import numpy as np
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.sweep.spec import Cell, SweepConfig, describe
 from mmgrpo_jax.sweep.stats import Interval, bootstrap_mean, paired_difference, steps_to_threshold
+from mmgrpo_jax.trainer.run_log import write_atomic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,9 +287,3 @@ def write_report(config: SweepConfig, results: Sequence[RunResult]) -> list[Cell
         plot_curves(config, results, partial)
         partial.replace(out / "curves.png")
     return rows
-
-
-def write_atomic(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)

@@ -27,10 +27,11 @@ from tqdm import tqdm
 
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.sweep.child import PARENT_ENV
-from mmgrpo_jax.sweep.report import CellRow, RunResult, read_run, write_atomic, write_report
+from mmgrpo_jax.sweep.report import CellRow, RunResult, read_run, write_report
 from mmgrpo_jax.sweep.spec import Cell, SweepConfig, identity_json
 from mmgrpo_jax.trainer.config import changed_keys, flatten
 from mmgrpo_jax.trainer.run_lock import RunLock
+from mmgrpo_jax.trainer.run_log import write_atomic
 
 logger = logging.getLogger(__name__)
 

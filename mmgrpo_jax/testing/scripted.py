@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mmgrpo_jax.program.adapter import format_outputs
 from mmgrpo_jax.program.lm import LMOutput
+from mmgrpo_jax.prompt_opt.proposer import PROPOSE, SUMMARIZE
 
 Messages = Sequence[dict[str, str]]
 
@@ -59,3 +62,19 @@ class ScriptedLM:
             completion_ids=completion,
             logprobs=(self.logprob,) * len(completion),
         )
+
+
+def word_prompt_model(words: Sequence[str], seed: int) -> ScriptedLM:
+    """A prompt model for prompt optimization without an LM: summaries are a fixed sentence,
+    instructions 3-8 of `words` drawn from a generator seeded by the prompt itself, so different
+    tips and demo sets give different candidates (and a word policy can read every word)."""
+
+    def respond(messages: Messages) -> str:
+        content = messages[-1]["content"]
+        if "[[ ## examples ## ]]" in content:
+            return format_outputs(SUMMARIZE, {"observations": "Inputs are words; answers too."})
+        rng = random.Random(f"{seed}/{content}")
+        chosen = [rng.choice(words) for _ in range(rng.randint(3, 8))]
+        return format_outputs(PROPOSE, {"proposed_instruction": " ".join(chosen)})
+
+    return ScriptedLM(respond)

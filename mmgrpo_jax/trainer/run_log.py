@@ -101,9 +101,7 @@ class RunLogger:
             **summary,
         }
         # atomic: summary.json is how a sweep (or a resume) knows the run finished
-        partial = self.run_dir / "summary.json.partial"
-        partial.write_text(json.dumps(full, indent=2))
-        partial.replace(self.run_dir / "summary.json")
+        write_atomic(self.run_dir / "summary.json", json.dumps(full, indent=2))
         self._plot()
         if self._writer is not None:
             self._writer.close()
@@ -137,3 +135,10 @@ class RunLogger:
         fig.tight_layout()
         fig.savefig(self.run_dir / "learning_curve.png", dpi=120)
         plt.close(fig)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write through a sibling file and rename, so a reader (or a kill) never sees half a file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
