@@ -58,7 +58,9 @@ class DemoConfig:
     align: str = "truncate"  # how module-level groups line up unequal invocation counts
     loss: str = "grpo"
     epsilon_high: float | None = None
-    beta: float = 0.0  # k3 KL to a frozen copy of the initial weights
+    # k3 KL to a frozen copy of the initial (near-uniform) weights: it keeps some mass on every
+    # reply, so no clue turns deterministic on a wrong one before its right reply was sampled
+    beta: float = 0.04
     format_failure_score: float = -1.0
     hidden_size: int = 32
     num_layers: int = 2
