@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerFast
 
 from mmgrpo_jax.engines.base import Sampling
 from mmgrpo_jax.engines.lm import EngineLM
+from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.program import Module
 from mmgrpo_jax.prompt_opt.better_together import BetterTogether
 from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
@@ -174,10 +175,20 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
 
 def run_method(config: DemoConfig, run_dir: Path) -> dict[str, Any]:
     """A Table 1 alternative to the demo's mmGRPO run, scored like it (greedy eval reward on
-    the valset before and after) into the same summary.json, so a sweep compares them."""
+    the valset before and after) into the same summary.json, so a sweep compares them.
+    A finished one is not redone: with resume=true its summary is returned, without it the
+    run_dir is refused."""
     bed = testbed(config.testbed)
     weights = mmgrpo_config(config, run_dir / "weights")  # better_together's mmGRPO stage
+    finished = run_dir / "summary.json"
     with RunLock(run_dir):
+        if finished.is_file():
+            if not config.resume:
+                raise UserError(
+                    f"run_dir={str(run_dir)!r} already holds a finished run (summary.json): "
+                    "choose another run_dir, or set resume=true to keep it"
+                )
+            return {**json.loads(finished.read_text()), "run_dir": str(run_dir)}
         if config.method == "better_together":
             check_run_dir(weights)
         start = time.perf_counter()
@@ -220,7 +231,7 @@ def run_method(config: DemoConfig, run_dir: Path) -> dict[str, Any]:
             "wall_seconds": time.perf_counter() - start,
             **details,
         }
-        write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
+        write_atomic(finished, json.dumps(summary, indent=2))
     return {**summary, "run_dir": str(run_dir)}
 
 

@@ -1,10 +1,12 @@
 """The demo's Table 1 methods: each is scored like the demo, into the same summary.json."""
 
+import dataclasses
 import json
 
 import pytest
 
 from mmgrpo_jax.cli.demo import DemoConfig, run_demo
+from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.trainer.mmgrpo import evaluate
 
 
@@ -15,15 +17,17 @@ def test_an_unknown_method_is_refused_naming_it():
         DemoConfig(method="prompt_opt", prompt_candidates=1)
 
 
-def test_vanilla_scores_the_program_as_written(tmp_path):
-    summary = run_demo(DemoConfig(method="vanilla", run_dir=str(tmp_path), progress=False))
+def test_vanilla_scores_the_program_as_written_once(tmp_path):
+    config = DemoConfig(method="vanilla", run_dir=str(tmp_path), progress=False)
+    summary = run_demo(config)
     written = json.loads((tmp_path / "summary.json").read_text())
     assert written["method"] == "vanilla" and written["wall_seconds"] > 0
-    assert (
-        written["eval_reward_after"]
-        == written["eval_reward_before"]
-        == summary["eval_reward_after"]
-    )
+    assert written["eval_reward_after"] == written["eval_reward_before"]
+    assert summary == {**written, "run_dir": str(tmp_path)}
+    with pytest.raises(UserError, match="already holds a finished run"):
+        run_demo(config)
+    kept = run_demo(dataclasses.replace(config, resume=True))  # returned, not redone
+    assert kept == summary and json.loads((tmp_path / "summary.json").read_text()) == written
 
 
 def test_better_together_trains_in_weights_and_returns_its_best_stage(tmp_path, monkeypatch):
