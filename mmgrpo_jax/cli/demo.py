@@ -15,9 +15,11 @@ instructions from the task's words, the only words a word policy can read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +36,7 @@ from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
 from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.rl.rollout import quiet_failure_warnings
 from mmgrpo_jax.testing import word_policy, word_prompt_model
-from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
+from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig, changed_keys
 from mmgrpo_jax.trainer.mmgrpo import MMGRPO, check_run_dir, default_engine, evaluate
 from mmgrpo_jax.trainer.run_lock import RunLock
 from mmgrpo_jax.trainer.run_log import write_atomic
@@ -44,6 +46,8 @@ from programs.testbeds import Testbed, testbed
 
 # Table 1's methods; "mmgrpo" is the demo itself
 METHODS = ("mmgrpo", "vanilla", "prompt_opt", "better_together")
+# what a method run may change and still keep its finished summary
+RESUME_FREE = ("run_dir", "resume", "progress")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,52 +180,30 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
 def run_method(config: DemoConfig, run_dir: Path) -> dict[str, Any]:
     """A Table 1 alternative to the demo's mmGRPO run, scored like it (greedy eval reward on
     the valset before and after) into the same summary.json, so a sweep compares them.
-    A finished one is not redone: with resume=true its summary is returned, without it the
-    run_dir is refused."""
+    A finished one is not redone: with resume=true (and the same settings) its summary is
+    returned, without it the run_dir is refused."""
     bed = testbed(config.testbed)
-    weights = mmgrpo_config(config, run_dir / "weights")  # better_together's mmGRPO stage
+    stage_config = mmgrpo_config(config, run_dir / "weights")  # better_together's mmGRPO stage
     finished = run_dir / "summary.json"
+    settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in RESUME_FREE}
     with RunLock(run_dir):
         if finished.is_file():
-            if not config.resume:
-                raise UserError(
-                    f"run_dir={str(run_dir)!r} already holds a finished run (summary.json): "
-                    "choose another run_dir, or set resume=true to keep it"
-                )
-            return {**json.loads(finished.read_text()), "run_dir": str(run_dir)}
+            return {**finished_method(finished, settings, config.resume), "run_dir": str(run_dir)}
         if config.method == "better_together":
-            check_run_dir(weights)
+            check_run_dir(stage_config)
         start = time.perf_counter()
         model, tokenizer = tiny_policy(config)
-        stop = [tokenizer.eos_token_id]
-        engine = default_engine(model, stop, weights)  # mmGRPO trains what the greedy LM reads
+        engine = default_engine(model, [tokenizer.eos_token_id], stage_config)
         greedy = EngineLM(engine, tokenizer, sampling=Sampling(1, temperature=0.0))
-
-        def score(program: Module, examples: list) -> float:
-            return evaluate(program, examples, bed.metric, greedy)
-
+        run = MethodRun(config, bed, model, tokenizer, engine, greedy, stage_config)
         try:
             program, valset = bed.program(), bed.valset()
-            before = score(program, valset)
+            before = run.score(program, valset)
             details: dict[str, Any] = {}
-            if config.method == "prompt_opt":
-                optimizer = prompt_optimizer(config, bed, greedy)
-                program = optimizer.compile(program, bed.trainset(), valset)
-            elif config.method == "better_together":
-                mmgrpo = MMGRPO(
-                    bed.metric,
-                    weights,
-                    model=model,
-                    tokenizer=tokenizer,
-                    stop_token_ids=stop,
-                    engine=engine,
-                )
-                together = BetterTogether(
-                    score, prompt_optimizer(config, bed, greedy), mmgrpo, seed=config.seed
-                )
-                program = together.compile(program, bed.trainset(), valset, "p -> w")
-                details["stages"] = {stage.name: stage.score for stage in together.stages}
-            after = score(program, valset)
+            # MIPROv2 prints its budget; stdout is for the summary's JSON
+            with contextlib.redirect_stdout(sys.stderr):
+                program = optimized(run, program, details)
+            after = run.score(program, valset)
         finally:
             engine.close()
         summary = {
@@ -230,9 +212,70 @@ def run_method(config: DemoConfig, run_dir: Path) -> dict[str, Any]:
             "eval_reward_after": after,
             "wall_seconds": time.perf_counter() - start,
             **details,
+            "settings": settings,
         }
         write_atomic(finished, json.dumps(summary, indent=2))
     return {**summary, "run_dir": str(run_dir)}
+
+
+def finished_method(path: Path, settings: dict[str, Any], resume: bool) -> dict[str, Any]:
+    """A finished method run's summary, if this config may keep it."""
+    if not resume:
+        raise UserError(
+            f"run_dir={str(path.parent)!r} already holds a finished run (summary.json): choose "
+            "another run_dir, or set resume=true to keep it"
+        )
+    summary = json.loads(path.read_text())
+    changed = changed_keys(summary.get("settings", {}), settings)
+    if changed:
+        old = summary.get("settings", {})
+        diff = ", ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in changed)
+        raise UserError(
+            f"run_dir={str(path.parent)!r} holds a finished run of other settings ({diff}): "
+            "choose another run_dir"
+        )
+    return summary
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodRun:
+    """What a Table 1 method works with: the policy, the engine it samples and is scored on."""
+
+    config: DemoConfig
+    bed: Testbed
+    model: Decoder
+    tokenizer: PreTrainedTokenizerFast
+    engine: Any  # the JaxEngine the greedy LM reads and mmGRPO trains
+    greedy: EngineLM
+    stage_config: MMGRPOConfig  # better_together's mmGRPO stage
+
+    def score(self, program: Module, examples: list) -> float:
+        return evaluate(program, examples, self.bed.metric, self.greedy)
+
+
+def optimized(run: MethodRun, program: Module, details: dict[str, Any]) -> Module:
+    """`program` after `run.config.method` (vanilla: as written); `details` gets its report."""
+    config, bed = run.config, run.bed
+    if config.method == "prompt_opt":
+        optimizer = prompt_optimizer(config, bed, run.greedy)
+        return optimizer.compile(program, bed.trainset(), bed.valset())
+    if config.method == "better_together":
+        mmgrpo = MMGRPO(
+            bed.metric,
+            run.stage_config,
+            model=run.model,
+            tokenizer=run.tokenizer,
+            stop_token_ids=[run.tokenizer.eos_token_id],
+            engine=run.engine,
+        )
+        together = BetterTogether(
+            run.score, prompt_optimizer(config, bed, run.greedy), mmgrpo, seed=config.seed
+        )
+        # BetterTogether returns its best stage on the valset (here the test set too), so its
+        # score is never below the program as written; mmGRPO's is its last eval, unselected
+        program = together.compile(program, bed.trainset(), bed.valset(), "p -> w")
+        details["stages"] = {stage.name: stage.score for stage in together.stages}
+    return program
 
 
 def prompt_optimizer(config: DemoConfig, bed: Testbed, lm: EngineLM) -> MIPROv2:

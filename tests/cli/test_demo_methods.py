@@ -28,6 +28,9 @@ def test_vanilla_scores_the_program_as_written_once(tmp_path):
         run_demo(config)
     kept = run_demo(dataclasses.replace(config, resume=True))  # returned, not redone
     assert kept == summary and json.loads((tmp_path / "summary.json").read_text()) == written
+    other = dataclasses.replace(config, resume=True, method="prompt_opt")
+    with pytest.raises(UserError, match="other settings .method: 'vanilla' -> 'prompt_opt'"):
+        run_demo(other)
 
 
 def test_better_together_trains_in_weights_and_returns_its_best_stage(tmp_path, monkeypatch):
