@@ -87,6 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep.add_argument("--out", help="the sweep folder (default runs/sweep)")
     sweep.add_argument("--baseline", help='the cell to compare with, e.g. "grouping=module"')
     sweep.add_argument("--threshold", type=float, help="a curve value to count steps to")
+    sweep.add_argument(
+        "--report-only",
+        action="store_true",
+        help="start no run: write the table of the runs finished so far",
+    )
     sweep.add_argument("overrides", nargs="*", metavar="key=value", help="on every run")
     # key=value overrides may come before, between or after the options
     args, extra = parser.parse_known_args(argv)
@@ -178,7 +183,7 @@ def _sweep(args: argparse.Namespace) -> int:
                 threshold=args.threshold,
                 **({"overrides": args.overrides} if args.overrides else {}),
             )
-            report = run_sweep(config, out=sys.stdout)
+            report = run_sweep(config, out=sys.stdout, report_only=args.report_only)
     except (UserError, FileNotFoundError, ValueError) as err:
         print(f"mmgrpo sweep: {_one_line(err)}", file=sys.stderr)
         return 2

@@ -79,9 +79,14 @@ def check_runs(config: SweepConfig) -> None:
 
 
 def run_sweep(
-    config: SweepConfig, *, out: TextIO | None = None, progress: bool = True
+    config: SweepConfig,
+    *,
+    out: TextIO | None = None,
+    progress: bool = True,
+    report_only: bool = False,
 ) -> SweepReport:
-    """Run what is missing, write the report after each run, return it."""
+    """Run what is missing, write the report after each run, return it. `report_only`: start
+    nothing, write the report of the runs finished so far."""
     check_runs(config)
     sweep_dir = Path(config.out)
     with RunLock(sweep_dir):
@@ -95,9 +100,10 @@ def run_sweep(
             else:
                 todo.append((cell, seed))
         skipped = len(results)
-        write_report(config, results)
-        failures = _run_all(config, todo, results, plan, progress)
         rows = write_report(config, results)
+        failures = [] if report_only else _run_all(config, todo, results, plan, progress)
+        if not report_only:
+            rows = write_report(config, results)
     if out is not None:
         print((sweep_dir / "table.md").read_text(), file=out)
     return SweepReport(rows, results, failures, skipped)

@@ -29,7 +29,7 @@ def test_vanilla_scores_the_program_as_written_once(tmp_path):
     kept = run_demo(dataclasses.replace(config, resume=True))  # returned, not redone
     assert kept == summary and json.loads((tmp_path / "summary.json").read_text()) == written
     other = dataclasses.replace(config, resume=True, method="prompt_opt")
-    with pytest.raises(UserError, match="other settings .method: 'vanilla' -> 'prompt_opt'"):
+    with pytest.raises(UserError, match=r"other settings \(method: 'vanilla' -> 'prompt_opt'"):
         run_demo(other)
 
 

@@ -82,6 +82,16 @@ def test_a_restarted_sweep_skips_finished_runs(tmp_path, fake_runs):
     assert logs.count("=== ") == 1  # launched once
 
 
+def test_report_only_starts_nothing_and_tables_the_finished_runs(tmp_path, fake_runs):
+    run_sweep(_config(tmp_path / "sweep", seeds="0-1"), progress=False)  # 4 of the 6 runs
+    wider = _config(tmp_path / "sweep")
+    report = run_sweep(wider, progress=False, report_only=True)
+    assert report.skipped == 4 and len(report.results) == 4 and not report.failures
+    assert not wider.run_dir(wider.cells[0], 2).exists()  # seed 2 not started
+    markdown = (tmp_path / "sweep" / "table.md").read_text()
+    assert "| 0.002 | 2/3 |" in markdown and "| 0.004 | 2/3 |" in markdown
+
+
 def test_a_run_folder_of_another_setting_is_refused(tmp_path, fake_runs):
     run_sweep(_config(tmp_path / "sweep", seeds="0"), progress=False)
     changed = load_sweep(
