@@ -36,7 +36,13 @@ from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
 from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.rl.rollout import quiet_failure_warnings
 from mmgrpo_jax.testing import word_policy, word_prompt_model
-from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig, changed_keys
+from mmgrpo_jax.trainer.config import (
+    MMGRPOConfig,
+    OptimConfig,
+    SamplerConfig,
+    changed_keys,
+    describe_changes,
+)
 from mmgrpo_jax.trainer.mmgrpo import MMGRPO, check_run_dir, default_engine, evaluate
 from mmgrpo_jax.trainer.run_lock import RunLock
 from mmgrpo_jax.trainer.run_log import write_atomic
@@ -226,10 +232,10 @@ def finished_method(path: Path, settings: dict[str, Any], resume: bool) -> dict[
             "another run_dir, or set resume=true to keep it"
         )
     summary = json.loads(path.read_text())
-    changed = changed_keys(summary.get("settings", {}), settings)
+    old = summary.get("settings", {})
+    changed = changed_keys(old, settings)
     if changed:
-        old = summary.get("settings", {})
-        diff = ", ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in changed)
+        diff = describe_changes(old, settings, changed)
         raise UserError(
             f"run_dir={str(path.parent)!r} holds a finished run of other settings ({diff}): "
             "choose another run_dir"

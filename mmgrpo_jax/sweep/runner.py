@@ -29,7 +29,7 @@ from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.sweep.child import PARENT_ENV
 from mmgrpo_jax.sweep.report import CellRow, RunResult, read_run, write_report
 from mmgrpo_jax.sweep.spec import Cell, SweepConfig, identity_json
-from mmgrpo_jax.trainer.config import changed_keys, flatten
+from mmgrpo_jax.trainer.config import changed_keys, describe_changes, flatten
 from mmgrpo_jax.trainer.run_lock import RunLock
 from mmgrpo_jax.trainer.run_log import write_atomic
 
@@ -141,7 +141,7 @@ def _check_identity(config: SweepConfig, cell: Cell, seed: int) -> None:
         found = {"(unreadable)": path.read_text()[:80]}
     changed = changed_keys(found, expected)
     if changed:
-        details = ", ".join(f"{k}: {found.get(k)!r} -> {expected.get(k)!r}" for k in changed)
+        details = describe_changes(found, expected, changed)
         raise UserError(
             f"{path.parent} holds a run of another setting ({details}): give this sweep "
             "another out folder, or remove that run folder"

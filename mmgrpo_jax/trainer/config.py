@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -198,3 +199,8 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         return both_nan or a == b
 
     return sorted(k for k in set(old) | set(new) if not same(old.get(k), new.get(k)))
+
+
+def describe_changes(old: dict[str, Any], new: dict[str, Any], keys: Sequence[str]) -> str:
+    """`key: old -> new, ...` for the given keys (the diff a refusal names)."""
+    return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)

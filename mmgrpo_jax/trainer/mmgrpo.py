@@ -53,6 +53,7 @@ from mmgrpo_jax.trainer.config import (
     OptimConfig,
     SamplerConfig,
     changed_keys,
+    describe_changes,
     flatten,
 )
 from mmgrpo_jax.trainer.interrupt import Interrupted, StopSignals
@@ -596,7 +597,7 @@ class MMGRPO:
         changed = changed_keys(saved, now)
         refused = [k for k in changed if k not in RESUMABLE_FIELDS]
         if refused:
-            listed = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in refused)
+            listed = describe_changes(saved, now, refused)
             raise UserError(
                 f"resume=true with a config that differs from the checkpoint's (step "
                 f"{meta['step']} in {str(self.run_dir)!r}): {listed}; resume with the "
