@@ -13,7 +13,7 @@ from mmgrpo_jax.engines.jax_engine import JaxEngine
 from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.rl.grouping import Group, GroupingSettings, GroupMember, register_grouping
 from mmgrpo_jax.rl.losses import LossConfig, TokenInputs, TokenTerms, register_loss
-from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
+from mmgrpo_jax.trainer.config import MemoryConfig, MMGRPOConfig, OptimConfig, SamplerConfig
 from mmgrpo_jax.trainer.mmgrpo import MMGRPO
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "JaxEngine",
     "LossConfig",
     "MMGRPOConfig",
+    "MemoryConfig",
     "OptimConfig",
     "Request",
     "RolloutEngine",

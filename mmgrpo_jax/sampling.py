@@ -4,7 +4,7 @@ Prompts are left-padded into a [B, P] bucket so every row's last prompt token si
 decode step i writes slot P+i-1 for all rows at once; RoPE positions count real tokens only.
 Prefill runs the lm_head on the last position only. The decode loop is one `lax.while_loop` that
 stops when every row is done or `max_new_tokens` is reached; the cache is donated into it.
-Batch, prompt and generation lengths are rounded up to powers of two, so a run compiles a bounded
+Batch, prompt and generation lengths are bucketed (`shapes.bucket`), so a run compiles a bounded
 number of times; `max_new_tokens` and `temperature` are traced values and never recompile.
 """
 
@@ -23,10 +23,23 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mmgrpo_jax.shapes import bucket
+from models.attention import AttentionMask
 from models.decoder import Decoder, KVCache
 from models.sharding import batch_multiple, batch_sharding, cache_sharding
 
 MIN_LENGTH_BUCKET = 16
+LENGTH_GRANULE = 512  # token lengths: powers of two up to here, then multiples of it
+BATCH_GRANULE = 8  # batch sizes likewise
+
+
+def length_bucket(n: int) -> int:
+    """The padded length of n tokens (prompts, completions, training rows)."""
+    return bucket(n, MIN_LENGTH_BUCKET, LENGTH_GRANULE)
+
+
+def batch_bucket(n: int) -> int:
+    """The padded size of a batch of n requests."""
+    return bucket(n, 1, BATCH_GRANULE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +96,10 @@ def _sample(
     return token.astype(jnp.int32), logprob
 
 
-def _attend_mask(valid: jax.Array, first_slot: jax.Array | int, length: int) -> jax.Array:
-    """[B, T, S]: query slot first_slot + t sees filled slots up to itself."""
-    slots = jnp.arange(valid.shape[1])
-    query = first_slot + jnp.arange(length)
-    return (slots[None, :] <= query[:, None])[None] & valid[:, None, :]
+def _attend_mask(valid: jax.Array, first_slot: jax.Array | int, length: int) -> AttentionMask:
+    """Queries at slots first_slot + t see the filled slots up to their own."""
+    slots = first_slot + jnp.arange(length, dtype=jnp.int32)
+    return AttentionMask(jnp.broadcast_to(slots, (valid.shape[0], length)), valid)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "slots", "params", "mesh"))
@@ -118,7 +130,7 @@ def _prefill(
 
 def _cache_shardings(cache: KVCache, mesh: Mesh):
     kv = cache_sharding(mesh)
-    return KVCache(layers=jax.tree.map(lambda _: kv, cache.layers), valid=batch_sharding(mesh, 2))
+    return KVCache(keys=kv, values=kv, valid=batch_sharding(mesh, 2))
 
 
 @functools.partial(
@@ -215,9 +227,9 @@ def generate(
     _check_arguments(prompts, vocab, max_new_tokens, temperature, top_p, top_k)
     n = len(prompts)
     multiple = batch_multiple(mesh)
-    batch = -(-bucket(n) // multiple) * multiple
-    prompt_len = bucket(max(len(p) for p in prompts), MIN_LENGTH_BUCKET)
-    new_bucket = bucket(max_new_tokens, MIN_LENGTH_BUCKET)
+    batch = -(-batch_bucket(n) // multiple) * multiple
+    prompt_len = length_bucket(max(len(p) for p in prompts))
+    new_bucket = length_bucket(max_new_tokens)
     tokens = np.zeros((batch, prompt_len), np.int32)
     valid = np.zeros((batch, prompt_len), bool)
     for i, prompt in enumerate(prompts):

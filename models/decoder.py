@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention import AttentionConfig, AttentionMask, attend
 from models.config import ModelConfig, rope_inv_freq
 from models.lora import Linear, LoRAConfig
 
@@ -38,12 +39,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
-@flax.struct.dataclass
-class LayerCache:
-    keys: jax.Array  # [B, K, Dh, S]
-    values: jax.Array  # [B, K, S, Dh]
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, lora: LoRAConfig | None, dtype: jnp.dtype, rngs: nnx.Rngs):
         def proj(name: str, n_in: int, n_out: int, bias: bool = False) -> Linear:
@@ -63,13 +58,15 @@ class Attention(nnx.Module):
         self,
         x: jax.Array,  # [B, T, D]
         positions: jax.Array,  # [B, T]
-        mask: jax.Array,  # [B, T, S] bool: query t may attend to slot s
+        mask: AttentionMask,
         inv_freq: jax.Array,  # [Dh/2]
-        cache: LayerCache | None,
+        cache: KVCache | None,  # every layer's cache; this block reads and writes `layer`'s
+        layer: jax.Array | int,
         slot: jax.Array | int,  # first cache slot written by these T positions
         use_lora: bool,
         rngs: nnx.Rngs | None,  # LoRA dropout during training; None disables it
-    ) -> tuple[jax.Array, LayerCache | None]:
+        attention: AttentionConfig,
+    ) -> tuple[jax.Array, KVCache | None]:
         b, t, _ = x.shape
         q = self.q_proj(x, use_lora, rngs).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x, use_lora, rngs).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -81,25 +78,25 @@ class Attention(nnx.Module):
         # plain batched matmuls: 3x faster decode attention on CPU than the [B, S, K, Dh] layout.
         k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
         if cache is not None:
-            # Prefill and decode write their keys into the preallocated cache, then attend to it.
-            k = jax.lax.dynamic_update_slice_in_dim(cache.keys, k.astype(cache.keys.dtype), slot, 3)
-            v = jax.lax.dynamic_update_slice_in_dim(
-                cache.values, v.astype(cache.values.dtype), slot, 2
+            # Prefill and decode write their new keys into the preallocated cache (only these
+            # T slots of this layer), then attend to the layer's whole cache.
+            cache = cache.replace(
+                keys=jax.lax.dynamic_update_slice(
+                    cache.keys, k[None].astype(cache.keys.dtype), (layer, 0, 0, 0, slot)
+                ),
+                values=jax.lax.dynamic_update_slice(
+                    cache.values, v[None].astype(cache.values.dtype), (layer, 0, 0, slot, 0)
+                ),
             )
-            cache = LayerCache(k, v)
-            if isinstance(slot, int):  # prefill: slots past the prompt are still empty
-                k, v, mask = k[..., : slot + t], v[:, :, : slot + t], mask[..., : slot + t]
-        # Fold each kv head's query group and the query positions into one row axis (q row
-        # index = t * G + g), so grouped-query attention needs no repeated keys.
+            k = jax.lax.dynamic_index_in_dim(cache.keys, layer, 0, keepdims=False)
+            v = jax.lax.dynamic_index_in_dim(cache.values, layer, 0, keepdims=False)
+            dense = attention.implementation == "dense"
+            if isinstance(slot, int) and dense:  # prefill: slots past the prompt are empty
+                k, v, mask = k[..., : slot + t], v[:, :, : slot + t], mask.first_slots(slot + t)
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim).transpose(0, 2, 1, 3, 4)
-        q = q.reshape(b, self.num_kv_heads, t * groups, self.head_dim)
-        scores = jnp.matmul(q, k.astype(q.dtype)) * self.head_dim**-0.5  # [B, K, T*G, S]
-        row_mask = jnp.repeat(mask, groups, axis=1)[:, None]  # [B, 1, T*G, S]
-        scores = jnp.where(row_mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.matmul(probs, v.astype(q.dtype))  # [B, K, T*G, Dh]
-        out = out.reshape(b, self.num_kv_heads, t, groups, self.head_dim).transpose(0, 2, 1, 3, 4)
+        out = attend(q, k, v, mask, attention)  # [B, K, T, G, Dh]
+        out = out.transpose(0, 2, 1, 3, 4)
         return self.o_proj(out.reshape(b, t, -1), use_lora, rngs), cache
 
 
@@ -125,9 +122,18 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, lora, dtype, rngs)
 
-    def __call__(self, x, positions, mask, inv_freq, cache, slot, use_lora, rngs):
+    def __call__(self, x, positions, mask, inv_freq, cache, layer, slot, use_lora, rngs, attention):
         attn, cache = self.self_attn(
-            self.input_layernorm(x), positions, mask, inv_freq, cache, slot, use_lora, rngs
+            self.input_layernorm(x),
+            positions,
+            mask,
+            inv_freq,
+            cache,
+            layer,
+            slot,
+            use_lora,
+            rngs,
+            attention,
         )
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x), use_lora, rngs), cache
@@ -135,14 +141,23 @@ class Block(nnx.Module):
 
 @flax.struct.dataclass
 class KVCache:
-    """Per-layer keys and values plus which slots hold real tokens (prompts are left-padded)."""
+    """Every layer's keys and values, stacked, plus which slots hold real tokens (prompts are
+    left-padded)."""
 
-    layers: tuple[LayerCache, ...]
+    keys: jax.Array  # [layers, B, K, Dh, S]
+    values: jax.Array  # [layers, B, K, S, Dh]
     valid: jax.Array  # [B, S] bool
 
 
 class Decoder(nnx.Module):
-    """The policy: token ids -> logits, optionally through a KV cache, LoRA on or off."""
+    """The policy: token ids -> logits, optionally through a KV cache, LoRA on or off.
+
+    The blocks are one `Block` whose every variable has a leading layer axis, run by a
+    `lax.scan`: compile time does not grow with depth, and under `remat` the backward pass holds
+    one block's activations at a time (only the blocks' inputs are saved). `attention` picks the
+    multi-token attention (dense reference or blockwise). Both are static settings of the graph,
+    changeable between calls.
+    """
 
     def __init__(
         self,
@@ -150,12 +165,16 @@ class Decoder(nnx.Module):
         *,
         lora: LoRAConfig | None = None,
         dtype: jnp.dtype = jnp.float32,
+        attention: AttentionConfig | None = None,
+        remat: bool = False,
         rngs: nnx.Rngs,
     ) -> None:
         self.config, self.lora, self.dtype = cfg, lora, dtype
+        self.attention = attention or AttentionConfig()
+        self.remat = remat
         embed = jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32)
         self.embed_tokens = nnx.Param((embed * 0.02).astype(dtype))
-        self.layers = nnx.List([Block(cfg, lora, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.layers = stack_blocks([Block(cfg, lora, dtype, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (
             None
@@ -172,7 +191,7 @@ class Decoder(nnx.Module):
         self,
         input_ids: jax.Array,  # [B, T]
         positions: jax.Array,  # [B, T]
-        mask: jax.Array,  # [B, T, S]
+        mask: AttentionMask,
         cache: KVCache | None = None,
         slot: jax.Array | int = 0,
         use_lora: bool = True,
@@ -180,13 +199,55 @@ class Decoder(nnx.Module):
     ) -> tuple[jax.Array, KVCache | None]:
         x = self.embed_tokens[...][input_ids]
         inv_freq = jnp.asarray(rope_inv_freq(self.config), jnp.float32)  # a compile-time constant
-        new_layers = []
-        for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else cache.layers[i]
-            x, layer_cache = layer(x, positions, mask, inv_freq, layer_cache, slot, use_lora, rngs)
-            new_layers.append(layer_cache)
-        new_cache = None if cache is None else cache.replace(layers=tuple(new_layers))
-        return self.norm(x), new_cache
+        graphdef, stacked = nnx.split(self.layers)
+        # one dropout key for the pass, folded with the layer index inside the scan
+        dropout_key = None if rngs is None else rngs.dropout()
+
+        def block(carry, layer_and_index):
+            x, cache = carry
+            layer_state, index = layer_and_index
+            layer = nnx.merge(graphdef, layer_state)
+            layer_rngs = (
+                None
+                if dropout_key is None
+                else nnx.Rngs(dropout=jax.random.fold_in(dropout_key, index))
+            )
+            x, cache = layer(
+                x,
+                positions,
+                mask,
+                inv_freq,
+                cache,
+                index,
+                slot,
+                use_lora,
+                layer_rngs,
+                self.attention,
+            )
+            return (x, cache), None
+
+        if self.remat and cache is None:  # a cached pass is never differentiated
+            block = jax.checkpoint(block)
+        layers = (stacked, jnp.arange(self.config.num_layers))
+        (x, cache), _ = jax.lax.scan(block, (x, cache), layers)
+        return self.norm(x), cache
+
+    def final_hidden(
+        self,
+        input_ids: jax.Array,  # [B, T]
+        attention_mask: jax.Array | None = None,  # [B, T] 1 = real token, 0 = padding
+        positions: jax.Array | None = None,  # [B, T]; default: count of real tokens so far
+        segment_ids: jax.Array | None = None,  # [B, T] packed rows: attention stays within one
+        use_lora: bool = True,
+        rngs: nnx.Rngs | None = None,
+    ) -> jax.Array:  # [B, T, D] after the final norm
+        b, t = input_ids.shape
+        valid = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
+        if positions is None:
+            positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0)
+        mask = AttentionMask.causal(valid, segment_ids)
+        hidden, _ = self.hidden_states(input_ids, positions, mask, use_lora=use_lora, rngs=rngs)
+        return hidden
 
     def __call__(
         self,
@@ -195,23 +256,25 @@ class Decoder(nnx.Module):
         attention_mask: jax.Array | None = None,  # [B, T] 1 = real token, 0 = padding
         use_lora: bool = True,
         rngs: nnx.Rngs | None = None,  # a 'dropout' stream turns LoRA dropout on (training)
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:  # [B, T, V]
-        b, t = input_ids.shape
-        valid = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
-        if positions is None:
-            positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0)
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        mask = causal[None] & valid[:, None, :]
-        hidden, _ = self.hidden_states(input_ids, positions, mask, use_lora=use_lora, rngs=rngs)
+        hidden = self.final_hidden(
+            input_ids, attention_mask, positions, segment_ids, use_lora, rngs
+        )
         return self.logits(hidden)
 
     def init_cache(self, batch: int, slots: int, dtype: jnp.dtype | None = None) -> KVCache:
         cfg = self.config
-        keys = (batch, cfg.num_kv_heads, cfg.head_dim, slots)
-        values = (batch, cfg.num_kv_heads, slots, cfg.head_dim)
+        keys = (cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, slots)
+        values = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
         dtype = dtype or self.dtype
-        layers = tuple(
-            LayerCache(jnp.zeros(keys, dtype), jnp.zeros(values, dtype))
-            for _ in range(cfg.num_layers)
+        return KVCache(
+            jnp.zeros(keys, dtype), jnp.zeros(values, dtype), jnp.zeros((batch, slots), bool)
         )
-        return KVCache(layers, jnp.zeros((batch, slots), bool))
+
+
+def stack_blocks(blocks: list[Block]) -> Block:
+    """One Block whose variables stack the given blocks' along a new leading layer axis."""
+    graphdef, *_ = nnx.split(blocks[0])
+    states = [nnx.state(b) for b in blocks]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))

@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from models.decoder import Decoder
-from models.hf import hf_key
+from models.hf import hf_key, layer_paths
 from models.lora import Linear, LoRAConfig
 from models.sharding import path_name
 
@@ -34,6 +34,13 @@ def _lora_layers(model: Decoder) -> list[tuple[tuple, Linear]]:
     ]
 
 
+def _per_layer(path: tuple, value: np.ndarray) -> list[tuple[tuple, np.ndarray]]:
+    """(per-layer path, tensor) pairs: a block's stacked parameter splits along its layer axis."""
+    if path and path[0] == "layers":
+        return list(zip(layer_paths(path, value.shape[0]), value, strict=True))
+    return [(tuple(path), value)]
+
+
 def peft_key(path: tuple, factor: str) -> str:
     """PEFT name of a LoRA factor ('A' or 'B') of the Linear at `path`."""
     return f"base_model.model.model.{path_name(path)}.lora_{factor}.weight"
@@ -45,8 +52,9 @@ def save_peft_adapter(model: Decoder, directory: str | Path, base_model: str = "
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for path, layer in _lora_layers(model):
-        tensors[peft_key(path, "A")] = np.asarray(jax.device_get(layer.lora_a[...])).T.copy()
-        tensors[peft_key(path, "B")] = np.asarray(jax.device_get(layer.lora_b[...])).T.copy()
+        for factor, param in (("A", layer.lora_a), ("B", layer.lora_b)):
+            for layer_path, value in _per_layer(path, np.asarray(jax.device_get(param[...]))):
+                tensors[peft_key(layer_path, factor)] = value.T.copy()
     save_file(tensors, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",
@@ -100,16 +108,21 @@ def load_peft_adapter(model: Decoder, directory: str | Path) -> Decoder:
     tensors = load_file(directory / ADAPTER_WEIGHTS)
     for path, layer in _lora_layers(model):
         for factor, param in (("A", layer.lora_a), ("B", layer.lora_b)):
-            key = peft_key(path, factor)
-            if key not in tensors:
-                raise KeyError(f"adapter tensor {key!r} is missing from {str(directory)!r}")
-            value = tensors.pop(key).T
             current = param[...]
-            if value.shape != current.shape:
-                raise ValueError(
-                    f"adapter tensor {key!r} has shape {value.shape[::-1]}, "
-                    f"expected {current.shape[::-1]}"
-                )
+            stacked = path[0] == "layers"
+            parts = []
+            for layer_path, want in _per_layer(path, np.empty(current.shape, np.int8)):
+                key = peft_key(layer_path, factor)
+                if key not in tensors:
+                    raise KeyError(f"adapter tensor {key!r} is missing from {str(directory)!r}")
+                value = tensors.pop(key).T
+                if value.shape != want.shape:
+                    raise ValueError(
+                        f"adapter tensor {key!r} has shape {value.shape[::-1]}, "
+                        f"expected {want.shape[::-1]}"
+                    )
+                parts.append(value)
+            value = np.stack(parts) if stacked else parts[0]
             param[...] = jax.device_put(jnp.asarray(value, current.dtype), current.sharding)
     if tensors:
         raise ValueError(f"adapter tensors with no LoRA layer in the model: {sorted(tensors)[:8]}")
@@ -148,9 +161,9 @@ def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
         raise ValueError("merge the adapter first: hf_tensors(merge_lora(model))")
     tensors = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        key, transpose = hf_key(path)
-        value = np.asarray(jax.device_get(var.get_value()))
-        tensors[key] = value.T.copy() if transpose else value
+        for layer_path, value in _per_layer(path, np.asarray(jax.device_get(var.get_value()))):
+            key, transpose = hf_key(layer_path)
+            tensors[key] = value.T.copy() if transpose else value
     return tensors
 
 

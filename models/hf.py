@@ -30,8 +30,17 @@ from models.tokenizer import HFTokenizer, load_tokenizer, stop_token_ids
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def layer_paths(path: Sequence[object], num_layers: int) -> list[tuple[object, ...]]:
+    """The per-layer paths of a parameter: a block's (stacked over layers) gets one per layer,
+    with the layer index where HF names put it (`layers.3.mlp...`); any other, itself."""
+    if path and path[0] == "layers":
+        return [("layers", i, *path[1:]) for i in range(num_layers)]
+    return [tuple(path)]
+
+
 def hf_key(path: Sequence[object]) -> tuple[str, bool]:
-    """The HF tensor name of one of our parameters, and whether it is stored transposed."""
+    """The HF tensor name of one of our (per-layer) parameters, and whether it is stored
+    transposed."""
     name = path_name(path)
     if name.startswith("lm_head."):
         return "lm_head.weight", True
@@ -159,21 +168,29 @@ def from_pretrained(
     used, loaded = set(), []
     for param_path, var in nnx.to_flat_state(state):
         shape, want_dtype = var.get_value().shape, var.get_value().dtype
+        stacked = param_path[0] == "layers"  # one tensor per layer, stacked on the first axis
+        per_layer = layer_paths(param_path, cfg.num_layers)
+        one_shape = shape[1:] if stacked else shape
         if isinstance(var, nnx.LoRAParam):
-            value = _lora_value(param_path, shape, want_dtype, lora_seed)
+            parts = [_lora_value(p, one_shape, want_dtype, lora_seed) for p in per_layer]
         elif isinstance(var, nnx.Param):
-            key, transpose = hf_key(param_path)
-            tensor = checkpoint.get(key)
-            expected = shape[::-1] if transpose else shape
-            if tensor.shape != expected:
-                raise ValueError(
-                    f"tensor {key!r} has shape {tensor.shape}, expected {expected} for {cfg}"
-                )
-            tensor = tensor.T if transpose else tensor
-            value = np.asarray(tensor).astype(want_dtype)
-            used.add(key)
+            parts = []
+            for layer_path in per_layer:
+                key, transpose = hf_key(layer_path)
+                tensor = checkpoint.get(key)
+                expected = one_shape[::-1] if transpose else one_shape
+                if tensor.shape != expected:
+                    raise ValueError(
+                        f"tensor {key!r} has shape {tensor.shape}, expected {expected} for {cfg}"
+                    )
+                parts.append(np.asarray(tensor.T if transpose else tensor).astype(want_dtype))
+                used.add(key)
         else:
+            parts = None
+        if parts is None:
             value = var.get_value()
+        else:
+            value = np.stack([np.asarray(p) for p in parts]) if stacked else parts[0]
         if mesh is not None:
             value = jax.device_put(value, param_sharding(param_path, shape, mesh))
         else:

@@ -52,10 +52,11 @@ def path_name(path: Sequence[object]) -> str:
 
 
 def param_spec(path: Sequence[object]) -> P:
+    """The rule's spec; a block's parameter (stacked over layers) keeps its layer axis whole."""
     name = path_name(path)
     for pattern, spec in RULES:
         if re.search(pattern, name):
-            return spec
+            return P(None, *spec) if path and path[0] == "layers" else spec
     raise ValueError(f"no partition rule for parameter {name!r}; add one to models.sharding.RULES")
 
 
@@ -99,8 +100,9 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:
-    """KV cache, keys [B, K, Dh, S] and values [B, K, S, Dh]: B over (data, fsdp), K over tensor."""
-    return NamedSharding(mesh, P(BATCH, "tensor", None, None))
+    """KV cache, keys [layers, B, K, Dh, S] and values [layers, B, K, S, Dh]: B over (data,
+    fsdp), K over tensor."""
+    return NamedSharding(mesh, P(None, BATCH, "tensor", None, None))
 
 
 def batch_multiple(mesh: Mesh | None) -> int:

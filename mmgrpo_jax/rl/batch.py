@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmgrpo_jax.rl.grouping import Group, Unit
-from mmgrpo_jax.sampling import MIN_LENGTH_BUCKET
-from mmgrpo_jax.shapes import bucket
+from mmgrpo_jax.sampling import length_bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +136,7 @@ def pack_rows(rows: Sequence[Row], micro_batch_size: int) -> Batch:
     """Right-padded micro-batches laid out by `micro_batch_layout`; unit ids renumbered."""
     layout = micro_batch_layout(rows, micro_batch_size)
     longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
-    length = bucket(longest, MIN_LENGTH_BUCKET)
+    length = length_bucket(longest)
     shape = (len(layout), micro_batch_size)
     tokens = np.zeros((*shape, length), np.int32)
     valid = np.zeros((*shape, length), bool)

@@ -74,17 +74,50 @@ def token_logprobs(
     temperature: float,
     use_lora: bool = True,
     rngs: nnx.Rngs | None = None,
+    *,
+    logits_chunk: int = 0,
 ) -> jax.Array:  # [b, L-1] log p(token t+1 | tokens <= t)
     """Log-probs of the next tokens under logits / temperature, the sampler's distribution."""
-    logits = model(tokens, attention_mask=valid, use_lora=use_lora, rngs=rngs)[:, :-1]
-    logits = logits.astype(jnp.float32) / temperature
-    targets = tokens[:, 1:]
-    chosen = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return chosen - jax.nn.logsumexp(logits, axis=-1)
+    hidden = model.final_hidden(tokens, valid, use_lora=use_lora, rngs=rngs)[:, :-1]
+    return target_logprobs(model, hidden, tokens[:, 1:], temperature, logits_chunk)
+
+
+def target_logprobs(
+    model: Decoder,
+    hidden: jax.Array,  # [b, n, D] final hidden states
+    targets: jax.Array,  # [b, n]
+    temperature: float,
+    chunk: int = 0,
+) -> jax.Array:  # [b, n]
+    """log softmax(lm_head(hidden) / T) at the targets.
+
+    With `chunk` > 0 the lm_head runs on `chunk` positions at a time under rematerialisation, so
+    neither the forward nor the backward pass ever holds [b, n, V] float32 logits (40 GB at
+    8 x 8,192 positions and Qwen3's 151,936 words); 0 computes them at once (the reference).
+    """
+
+    def chosen_logprobs(h: jax.Array, t: jax.Array) -> jax.Array:
+        logits = model.logits(h).astype(jnp.float32) / temperature
+        chosen = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+        return chosen - jax.nn.logsumexp(logits, axis=-1)
+
+    b, n, d = hidden.shape
+    if chunk <= 0 or chunk >= n:
+        return chosen_logprobs(hidden, targets)
+    pad = -n % chunk
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, chunk, d)
+    targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, -1, chunk)
+
+    @jax.checkpoint
+    def one(_, h_and_t):
+        return None, chosen_logprobs(*h_and_t)
+
+    _, out = jax.lax.scan(one, None, (hidden.swapaxes(0, 1), targets.swapaxes(0, 1)))
+    return out.swapaxes(0, 1).reshape(b, -1)[:, :n]
 
 
 def make_logprob_fn(
-    graphdef: nnx.GraphDef, temperature: float
+    graphdef: nnx.GraphDef, temperature: float, logits_chunk: int = 0
 ) -> Callable[[nnx.State, FrozenWeights, Batch], jax.Array]:
     """Jitted per-token log-probs of a packed batch, [M, b, L-1]: the old log-probs of a step."""
 
@@ -93,7 +126,9 @@ def make_logprob_fn(
         model = nnx.merge(graphdef, trainable, frozen.base)
 
         def one(_, micro: Batch):
-            return None, token_logprobs(model, micro.tokens, micro.valid, temperature)
+            return None, token_logprobs(
+                model, micro.tokens, micro.valid, temperature, logits_chunk=logits_chunk
+            )
 
         return jax.lax.scan(one, None, batch)[1]
 
@@ -112,6 +147,7 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     loss_cfg: LossConfig,
     temperature: float,
+    logits_chunk: int = 0,
 ) -> TrainStep:
     """A jitted (state, frozen, batch) -> (state, metrics); the state's buffers are donated.
 
@@ -120,6 +156,7 @@ def make_train_step(
     set, else from the same weights with LoRA off. Old log-probs are `batch.old_logps` when given
     (several updates per rollout batch), else the current ones under stop_gradient. The metric
     `sampler_logprob_gap` compares the trainer's log-probs (before this update) with the sampler's.
+    `logits_chunk` > 0 computes the log-probs in chunks of positions (see `target_logprobs`).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for training log-probs, got {temperature}")
@@ -127,15 +164,20 @@ def make_train_step(
     def micro_loss(trainable, frozen: FrozenWeights, micro: Batch, count: int, key: jax.Array):
         model = nnx.merge(graphdef, trainable, frozen.base)
         rngs = nnx.Rngs(dropout=key)  # used only by LoRA layers with dropout > 0
-        logps = token_logprobs(model, micro.tokens, micro.valid, temperature, rngs=rngs)
+        logprobs = functools.partial(
+            token_logprobs,
+            tokens=micro.tokens,
+            valid=micro.valid,
+            temperature=temperature,
+            logits_chunk=logits_chunk,
+        )
+        logps = logprobs(model, rngs=rngs)
         ref = None
         if loss_cfg.beta > 0 and frozen.reference is None:
-            ref = token_logprobs(model, micro.tokens, micro.valid, temperature, use_lora=False)
+            ref = jax.lax.stop_gradient(logprobs(model, use_lora=False))
         elif loss_cfg.beta > 0:
             ref_model = nnx.merge(graphdef, frozen.reference, frozen.base)
-            ref = jax.lax.stop_gradient(
-                token_logprobs(ref_model, micro.tokens, micro.valid, temperature)
-            )
+            ref = jax.lax.stop_gradient(logprobs(ref_model))
         old = jax.lax.stop_gradient(logps) if micro.old_logps is None else micro.old_logps
         loss, metrics = policy_loss(
             loss_cfg,

@@ -1,8 +1,8 @@
 """mmGRPO's configuration: one frozen dataclass per concern, validated where it is built.
 
 `MMGRPOConfig` holds the run (grouping, rollouts, steps, cadence, paths) and one section per
-concern: `loss` (rl.losses.LossConfig), `optim`, `sampler`, `lora`. YAML files and `key=value`
-overrides address sections with dotted keys (`sampler.temperature=0.7`).
+concern: `loss` (rl.losses.LossConfig), `optim`, `sampler`, `memory`, `lora`. YAML files and
+`key=value` overrides address sections with dotted keys (`sampler.temperature=0.7`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from flax import nnx
 from mmgrpo_jax.rl.advantages import SCALES
 from mmgrpo_jax.rl.grouping import ALIGN_MODES, grouping_rule
 from mmgrpo_jax.rl.losses import LossConfig
+from models.attention import IMPLEMENTATIONS, AttentionConfig
 from models.lora import LoRAConfig
 
 
@@ -95,6 +96,31 @@ class SamplerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+    """What the policy recomputes instead of keeping (DESIGN section 9). The defaults are the
+    reference paths, right for tiny models; an 8B policy at 8k context needs all three of
+    blockwise attention, remat and a logits chunk (`mmgrpo plan` shows each one's effect)."""
+
+    attention: Literal["dense", "blockwise"] = "dense"
+    attention_block: int = 512  # query and key positions per attention tile
+    remat: bool = False  # recompute every block in the backward pass (keep block inputs only)
+    logits_chunk: int = 0  # positions per lm_head chunk in log-prob passes; 0 = all at once
+
+    def __post_init__(self) -> None:
+        if self.attention not in IMPLEMENTATIONS:
+            raise _bad(self, "attention", f"must be one of {IMPLEMENTATIONS}")
+        if self.attention_block < 1:
+            raise _bad(self, "attention_block", "must be >= 1")
+        if self.logits_chunk < 0:
+            raise _bad(self, "logits_chunk", "must be >= 0 (0 = no chunking)")
+
+    @property
+    def attention_config(self) -> AttentionConfig:
+        block = self.attention_block
+        return AttentionConfig(self.attention, q_block=block, kv_block=block)
+
+
+@dataclasses.dataclass(frozen=True)
 class MMGRPOConfig:
     grouping: str = "module"  # a registered grouping rule: "module", "trajectory", or yours
     align: str = "truncate"
@@ -107,6 +133,7 @@ class MMGRPOConfig:
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     mask_truncated_completions: bool = False
     failure_score: float = 0.0
     format_failure_score: float = -1.0

@@ -49,6 +49,7 @@ from mmgrpo_jax.rl.step import (
 from mmgrpo_jax.rl.types import Metric, Trajectory
 from mmgrpo_jax.trainer.checkpoint import Checkpointer, Restored, refuse_foreign_checkpoints
 from mmgrpo_jax.trainer.config import (
+    MemoryConfig,
     MMGRPOConfig,
     OptimConfig,
     SamplerConfig,
@@ -183,6 +184,8 @@ RESUMABLE_FIELDS = frozenset(
         "failing_error_fraction",
         "max_failed_steps",
         "sampler.max_wait_s",
+        # how much is recomputed, not what: a run that ran out of memory resumes with more remat
+        *(f"memory.{f.name}" for f in dataclasses.fields(MemoryConfig)),
     }
 )
 
@@ -315,6 +318,10 @@ class MMGRPO:
             raise ValueError("a model passed in needs its tokenizer and stop_token_ids too")
         if config.train == "lora" and model.lora is None:
             raise ValueError("train='lora' needs a model built with a LoRA adapter (lora=...)")
+        # the memory settings are static parts of the model's graph: every jitted pass (train
+        # step, log-probs, the engine split from it) runs with them
+        model.attention = config.memory.attention_config
+        model.remat = config.memory.remat
         self.metric, self.config, self.model, self.tokenizer = metric, config, model, tokenizer
         self.stop_token_ids = tuple(stop_token_ids)
         self.engine, self._engine_factory = _engine_or_factory(engine)
@@ -531,8 +538,9 @@ class MMGRPO:
         graphdef, state, frozen = split_for_training(
             self.model, optimizer, self.trainable, seed=cfg.seed, frozen_reference=frozen_reference
         )
-        step_fn = make_train_step(graphdef, optimizer, cfg.resolved_loss, cfg.sampler.temperature)
-        return _Learner(state, frozen, step_fn, make_logprob_fn(graphdef, cfg.sampler.temperature))
+        temperature, chunk = cfg.sampler.temperature, cfg.memory.logits_chunk
+        step_fn = make_train_step(graphdef, optimizer, cfg.resolved_loss, temperature, chunk)
+        return _Learner(state, frozen, step_fn, make_logprob_fn(graphdef, temperature, chunk))
 
     def _open_engine(self, closing: ExitStack) -> RolloutEngine:
         if self.engine is not None:

@@ -69,10 +69,10 @@ def test_lora_params_are_typed_and_filterable(directory):
     lora = nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))
     base = nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
     assert {p[-2] for p, _ in lora} == {"q_proj", "v_proj"}
-    assert len(lora) == 2 * 2 * model.config.num_layers
+    assert len(lora) == 2 * 2  # each stacked over the layers
     assert not any(p[-1].startswith("lora") for p, _ in base)
-    q = model.layers[0].self_attn.q_proj
-    assert q.lora_a[...].shape == (model.config.hidden_size, 2)
+    q = model.layers.self_attn.q_proj
+    assert q.lora_a[...].shape == (model.config.num_layers, model.config.hidden_size, 2)
     bound = 1 / model.config.hidden_size**0.5
     assert 0.5 * bound < np.abs(np.asarray(q.lora_a[...])).max() <= bound  # PEFT kaiming init
 
@@ -85,7 +85,7 @@ def test_lora_off_is_the_base_model_and_merge_matches(directory, tmp_path):
     np.testing.assert_array_equal(off, np.asarray(logits(base, IDS)))
     view = without_lora(model)  # the base model again, sharing the arrays
     assert view.lora is None and not nnx.state(view, nnx.LoRAParam)
-    assert view.layers[0].mlp.up_proj.kernel[...] is model.layers[0].mlp.up_proj.kernel[...]
+    assert view.layers.mlp.up_proj.kernel[...] is model.layers.mlp.up_proj.kernel[...]
     np.testing.assert_array_equal(np.asarray(logits(view, IDS)), off)
     in_memory = merge_lora(model)
     assert in_memory.lora is None and not nnx.state(in_memory, nnx.LoRAParam)
