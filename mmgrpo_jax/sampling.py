@@ -37,6 +37,14 @@ def length_bucket(n: int) -> int:
     return bucket(n, MIN_LENGTH_BUCKET, LENGTH_GRANULE)
 
 
+def prompt_bucket(n: int, prefill_chunk: int = 0) -> int:
+    """The padded length of an n-token prompt: a multiple of the prefill chunk when chunked."""
+    length = length_bucket(n)
+    if 0 < prefill_chunk < length:
+        return -(-length // prefill_chunk) * prefill_chunk
+    return length
+
+
 def batch_bucket(n: int) -> int:
     """The padded size of a batch of n requests."""
     return bucket(n, 1, BATCH_GRANULE)
@@ -102,7 +110,7 @@ def _attend_mask(valid: jax.Array, first_slot: jax.Array | int, length: int) -> 
     return AttentionMask(jnp.broadcast_to(slots, (valid.shape[0], length)), valid)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "slots", "params", "mesh"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "slots", "params", "mesh", "chunk"))
 def _prefill(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -113,6 +121,7 @@ def _prefill(
     slots: int,
     params: SamplingParams,
     mesh: Mesh | None,
+    chunk: int = 0,  # > 0 and dividing P: prefill that many prompt positions at a time
 ) -> tuple[jax.Array, jax.Array, KVCache, jax.Array]:
     model: Decoder = nnx.merge(graphdef, state)
     batch, prompt = tokens.shape
@@ -121,9 +130,26 @@ def _prefill(
         cache = jax.lax.with_sharding_constraint(cache, _cache_shardings(cache, mesh))
     cache = cache.replace(valid=cache.valid.at[:, :prompt].set(valid))
     positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0)
-    mask = _attend_mask(cache.valid, 0, prompt)
-    hidden, cache = model.hidden_states(tokens, positions, mask, cache, slot=0)
-    logits = model.logits(hidden[:, -1])  # last position only: [B, V]
+    if 0 < chunk < prompt:
+        # Chunked prefill: the activations of `chunk` positions at a time, each chunk attending
+        # to the cache filled so far (a 48 x 6,144-token prefill otherwise holds ~15 GB per MLP
+        # activation at 8B).
+        def prefill_chunk(cache, start):
+            ids, pos = (
+                jax.lax.dynamic_slice_in_dim(x, start, chunk, 1) for x in (tokens, positions)
+            )
+            mask = _attend_mask(cache.valid, start, chunk)
+            hidden, cache = model.hidden_states(ids, pos, mask, cache, slot=start)
+            return cache, hidden[:, -1]
+
+        starts = jnp.arange(0, prompt, chunk, dtype=jnp.int32)
+        cache, last = jax.lax.scan(prefill_chunk, cache, starts)
+        last_hidden = last[-1]
+    else:
+        mask = _attend_mask(cache.valid, 0, prompt)
+        hidden, cache = model.hidden_states(tokens, positions, mask, cache, slot=0)
+        last_hidden = hidden[:, -1]
+    logits = model.logits(last_hidden)  # last position only: [B, V]
     token, logprob = _sample(logits, jax.random.fold_in(key, 0), temperature, params)
     return token, logprob, cache, positions[:, -1] + 1
 
@@ -219,8 +245,13 @@ def generate(
     eos_token_ids: Sequence[int] = (),
     seed: int = 0,
     mesh: Mesh | None = None,
+    prefill_chunk: int = 0,
 ) -> list[Completion]:
-    """Sample a completion for every prompt; temperature 0 is greedy. See the module doc."""
+    """Sample a completion for every prompt; temperature 0 is greedy. See the module doc.
+
+    `prefill_chunk` > 0 prefills prompts longer than it that many tokens at a time (the prompt
+    bucket is then a multiple of it).
+    """
     if not prompts:
         return []
     vocab = model.config.vocab_size
@@ -228,7 +259,7 @@ def generate(
     n = len(prompts)
     multiple = batch_multiple(mesh)
     batch = -(-batch_bucket(n) // multiple) * multiple
-    prompt_len = length_bucket(max(len(p) for p in prompts))
+    prompt_len = prompt_bucket(max(len(p) for p in prompts), prefill_chunk)
     new_bucket = length_bucket(max_new_tokens)
     tokens = np.zeros((batch, prompt_len), np.int32)
     valid = np.zeros((batch, prompt_len), bool)
@@ -251,7 +282,16 @@ def generate(
     temp = jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32)
     graphdef, state = nnx.split(model)
     first, first_logprob, cache, next_position = _prefill(
-        graphdef, state, tokens, valid, key, temp, prompt_len + new_bucket, params, mesh
+        graphdef,
+        state,
+        tokens,
+        valid,
+        key,
+        temp,
+        prompt_len + new_bucket,
+        params,
+        mesh,
+        prefill_chunk,
     )
     final = _decode(
         graphdef,

@@ -231,6 +231,16 @@ class ModelConfig:
         return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
 
 
+PRESETS = {"qwen3-8b": ModelConfig.qwen3_8b, "llama31-8b": ModelConfig.llama31_8b}
+
+
+def preset(name: str) -> ModelConfig:
+    """A named model shape (no weights): what a memory plan compiles without a checkpoint."""
+    if name not in PRESETS:
+        raise ValueError(f"model shape {name!r} is not a preset; presets: {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
 def rope_inv_freq(config: ModelConfig) -> list[float]:
     """Inverse frequencies, Llama-3 scaled when configured (DESIGN section 6)."""
     dim = config.head_dim

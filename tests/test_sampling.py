@@ -8,6 +8,7 @@ from flax import nnx
 from mmgrpo_jax import sampling
 from mmgrpo_jax.sampling import generate
 from mmgrpo_jax.shapes import bucket
+from models.attention import AttentionConfig
 from models.hf import from_pretrained
 from tests.models.hf_fixtures import VOCAB, load_hf
 
@@ -69,6 +70,28 @@ def test_greedy_ragged_batch_equals_single_prompts_and_hf(pair):
         assert b.finish_reason == "length" and len(b.logprobs) == 10
         np.testing.assert_allclose(b.logprobs, want_logps[i], atol=1e-4)
         np.testing.assert_allclose(b.logprobs, s.logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["dense", "blockwise"])
+def test_chunked_prefill_and_blockwise_attention_give_the_same_samples(model, attention):
+    """Prefill 8 tokens at a time (prompts up to 40 tokens: 5 chunks, most rows left-padded)."""
+    prompts = [RNG.integers(0, VOCAB, n).tolist() for n in (40, 3, 17)]
+    want = generate(model, prompts, max_new_tokens=6, temperature=0.8, seed=3)
+    model.attention = AttentionConfig(attention, q_block=4, kv_block=8)
+    try:
+        got = generate(model, prompts, max_new_tokens=6, temperature=0.8, seed=3, prefill_chunk=8)
+    finally:
+        model.attention = AttentionConfig()
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+
+
+def test_buckets_are_multiples_past_the_granule():
+    assert [sampling.batch_bucket(n) for n in (1, 3, 8, 9, 48, 50)] == [1, 4, 8, 16, 48, 56]
+    assert [sampling.length_bucket(n) for n in (1, 17, 512, 513, 6144)] == [16, 32, 512, 1024, 6144]
+    assert sampling.prompt_bucket(6000, prefill_chunk=1024) == 6144
+    assert sampling.prompt_bucket(300, prefill_chunk=1024) == 512  # shorter than one chunk
 
 
 def test_max_new_tokens_one(pair):

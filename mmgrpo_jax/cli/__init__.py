@@ -70,6 +70,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     evaluate.add_argument("--limit", help="first N examples of the split")
     evaluate.add_argument("--out", help="predictions JSONL path")
     _config_arguments(evaluate, "EvalConfig")
+    plan = commands.add_parser(
+        "plan",
+        help="per-device memory of a train config's train step and sampler, before any weight",
+    )
+    plan.add_argument("--config", help="a train config (experiments/configs/*.yaml)")
+    plan.add_argument("--preset", help="model shape when model_path is not on disk (qwen3-8b)")
+    plan.add_argument("--device-memory-gb", type=float, help="default: this machine's device")
+    plan.add_argument(
+        "--memory-fraction", type=float, help="usable share (XLA's default on GPU: 0.75)"
+    )
+    plan.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    plan.add_argument("overrides", nargs="*", metavar="key=value", help="field overrides")
     sweep = commands.add_parser(
         "sweep",
         help="every cell of a grid x seeds as its own run; a table with confidence intervals",
@@ -102,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.command == "sweep":
         return _sweep(args)
+    if args.command == "plan":
+        return _plan(args)
     overrides = [*args.overrides, *_flag_overrides(args)]
     config_cls, run = _command(args.command, dry_run=getattr(args, "dry_run", False))
     try:
@@ -196,6 +210,24 @@ def _sweep(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 1 if report.failures else 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from mmgrpo_jax.cli.plan import PlanRequest, run
+
+    request = PlanRequest(
+        config=args.config,
+        overrides=tuple(args.overrides),
+        preset=args.preset,
+        device_memory_gb=args.device_memory_gb,
+        memory_fraction=args.memory_fraction,
+        as_json=args.json,
+    )
+    try:
+        return run(request, sys.stdout)
+    except (UserError, CheckpointError, FileNotFoundError) as err:
+        print(f"mmgrpo plan: {_one_line(err)}", file=sys.stderr)
+        return 2
 
 
 def _stopped(command: str, err: KeyboardInterrupt) -> int:

@@ -122,15 +122,25 @@ def read_yaml(path: str | Path) -> Any:
     return _parse(path.read_text(), f"config file {str(path)!r}")
 
 
-def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequence[str] = ()) -> C:
-    """`cls` from an optional YAML file, then ``key=value`` overrides on top."""
+def config_tree(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """An optional YAML file's mapping with ``key=value`` overrides on top (not yet validated)."""
     tree: dict[str, Any] = {} if path is None else read_yaml(path) or {}
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep or not key:
             raise ValueError(f"override {override!r} must look like key=value")
         _set_dotted(tree, key.strip(), _parse(raw, f"override {override!r}"))
-    return _build(cls, tree, "")
+    return tree
+
+
+def build_config(cls: type[C], tree: Mapping[str, Any], where: str = "") -> C:
+    """`cls` from a mapping (nested sections for nested dataclasses); unknown keys are errors."""
+    return _build(cls, tree, where)
+
+
+def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequence[str] = ()) -> C:
+    """`cls` from an optional YAML file, then ``key=value`` overrides on top."""
+    return _build(cls, config_tree(path, overrides), "")
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:

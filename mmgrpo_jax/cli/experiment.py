@@ -39,6 +39,7 @@ from mmgrpo_jax.trainer.mmgrpo import (
     evaluate,
     load_policy,
 )
+from mmgrpo_jax.trainer.plan import check_fits
 from models.decoder import Decoder
 from models.export import adapter_lora_config, load_peft_adapter, save_peft_adapter, without_lora
 from models.hf import load_checkpoint
@@ -203,7 +204,8 @@ def _save_run(cfg: ExperimentConfig, run_dir: Path, program: Module | None) -> N
 
 def preflight(cfg: ExperimentConfig) -> None:
     """What a training command would refuse, checked before the model is read: the size of the
-    trainset against examples_per_step, and the run directory."""
+    trainset against examples_per_step, the run directory, and whether the run fits the device
+    (trainer.plan.check_fits)."""
     trainset = _first(load_splits(cfg.task).train, cfg.train_limit)
     if cfg.mmgrpo.examples_per_step > len(trainset):
         raise UserError(
@@ -212,6 +214,7 @@ def preflight(cfg: ExperimentConfig) -> None:
             f"{'' if cfg.train_limit is None else f', train_limit={cfg.train_limit}'})"
         )
     check_run_dir(cfg.mmgrpo)
+    check_fits(cfg.mmgrpo)
 
 
 def run_train(cfg: ExperimentConfig) -> dict[str, Any]:

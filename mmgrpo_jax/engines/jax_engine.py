@@ -49,9 +49,11 @@ class JaxEngine:
         max_wait_s: float = 0.05,
         seed: int = 0,
         mesh: Mesh | None = None,
+        prefill_chunk: int = 0,
     ) -> None:
         """`trainable` filters the part `update_weights` replaces (default: the LoRA parameters
-        of a model with an adapter, else every parameter)."""
+        of a model with an adapter, else every parameter); `prefill_chunk` > 0 prefills long
+        prompts that many tokens at a time (`sampling.generate`)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_wait_s <= 0:
@@ -65,6 +67,9 @@ class JaxEngine:
         self._weights, self._rest = jax.tree.map(lambda x: x, (weights, rest))
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_batch, self.max_wait_s, self.mesh = max_batch, max_wait_s, mesh
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self._stats = EngineStats(max_batch=max_batch)
         self._seed = seed
         self._sampled_dispatches = 0
@@ -166,6 +171,7 @@ class JaxEngine:
                 eos_token_ids=self.stop_token_ids,
                 seed=seed,
                 mesh=self.mesh,
+                prefill_chunk=self.prefill_chunk,
             )
         except Exception as err:  # every waiting caller sees the failure; none hangs
             for pending in batch:

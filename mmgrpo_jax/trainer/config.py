@@ -20,6 +20,7 @@ from mmgrpo_jax.rl.advantages import SCALES
 from mmgrpo_jax.rl.grouping import ALIGN_MODES, grouping_rule
 from mmgrpo_jax.rl.losses import LossConfig
 from models.attention import IMPLEMENTATIONS, AttentionConfig
+from models.config import PRESETS
 from models.lora import LoRAConfig
 
 
@@ -98,21 +99,27 @@ class SamplerConfig:
 @dataclasses.dataclass(frozen=True)
 class MemoryConfig:
     """What the policy recomputes instead of keeping (DESIGN section 9). The defaults are the
-    reference paths, right for tiny models; an 8B policy at 8k context needs all three of
-    blockwise attention, remat and a logits chunk (`mmgrpo plan` shows each one's effect)."""
+    reference paths, right for tiny models; an 8B policy at 8k context needs blockwise
+    attention, remat and the two chunks (`mmgrpo plan` shows each one's effect)."""
 
     attention: Literal["dense", "blockwise"] = "dense"
     attention_block: int = 512  # query and key positions per attention tile
     remat: bool = False  # recompute every block in the backward pass (keep block inputs only)
     logits_chunk: int = 0  # positions per lm_head chunk in log-prob passes; 0 = all at once
+    prefill_chunk: int = 0  # prompt tokens per sampler prefill pass; 0 = the whole prompt
+    # `mmgrpo train` compiles the step and the sampler abstractly before reading weights and
+    # refuses a run that cannot fit; false skips that (a run that does not fit then fails at
+    # its first out-of-memory error)
+    check_fit: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in IMPLEMENTATIONS:
             raise _bad(self, "attention", f"must be one of {IMPLEMENTATIONS}")
         if self.attention_block < 1:
             raise _bad(self, "attention_block", "must be >= 1")
-        if self.logits_chunk < 0:
-            raise _bad(self, "logits_chunk", "must be >= 0 (0 = no chunking)")
+        for name in ("logits_chunk", "prefill_chunk"):
+            if getattr(self, name) < 0:
+                raise _bad(self, name, "must be >= 0 (0 = no chunking)")
 
     @property
     def attention_config(self) -> AttentionConfig:
@@ -149,6 +156,7 @@ class MMGRPOConfig:
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     train: Literal["lora", "full"] = "lora"
     model_path: str | None = None  # a local HF checkpoint, when no model is passed in
+    model_shape: str | None = None  # a preset shape (qwen3-8b, ...): `mmgrpo plan` without it
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     run_dir: str = "runs/mmgrpo"
     resume: bool = False
@@ -184,6 +192,8 @@ class MMGRPOConfig:
             raise _bad(self, "train", "must be 'lora' or 'full'")
         if self.dtype not in ("bfloat16", "float32"):
             raise _bad(self, "dtype", "must be 'bfloat16' or 'float32'")
+        if self.model_shape is not None and self.model_shape not in PRESETS:
+            raise _bad(self, "model_shape", f"must be a preset: one of {sorted(PRESETS)}")
         if self.model_path is not None and not Path(self.model_path).is_dir():
             raise _bad(self, "model_path", "is not a directory (a local Hugging Face checkpoint)")
         length = self.loss.max_completion_length

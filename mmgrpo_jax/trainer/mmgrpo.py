@@ -115,6 +115,7 @@ def default_engine(
         max_batch=config.sampler.batch,
         max_wait_s=config.sampler.max_wait_s,
         seed=config.seed,
+        prefill_chunk=config.memory.prefill_chunk,
     )
 
 

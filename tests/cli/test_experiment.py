@@ -119,6 +119,8 @@ def test_paper_configs_load_with_the_paper_setting(path, checkpoint):
     assert (m.lora.rank, m.optim.lr, m.examples_per_step, m.num_rollouts) == (16, 1e-5, 4, 12)
     assert m.sampler.max_prompt_tokens + m.sampler.max_completion_tokens == 8192
     assert m.num_steps == 750 and m.sampler.batch == 48
+    assert m.model_shape == model.replace("_", "-") and m.optim.micro_batch_size == 8
+    assert m.memory.attention == "blockwise" and m.memory.remat  # what fits an H200
     assert m.resolved_loss.max_completion_length == 2048  # dr_grpo's normaliser: the sampler's
     assert (cfg.prompt_opt.candidates, cfg.prompt_opt.valset_size) == (6, 100)  # auto light
     assert cfg.strategy == "p -> w" and cfg.prompt_lm.temperature == 1.0

@@ -1,0 +1,95 @@
+"""`mmgrpo plan`: the memory plan of a training config, before any weight is read.
+
+It reads a train config (its `mmgrpo` section; the task's sections are ignored), takes the model's
+shape from `<model_path>/config.json` when that exists and from the named preset
+(`mmgrpo.model_shape` or `--preset`) otherwise, and compiles the train step and the sampler on
+abstract inputs (trainer.plan). Runs on a CPU host for an 8B GPU config in about a minute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import TextIO
+
+from mmgrpo_jax.cli.config import build_config, config_tree
+from mmgrpo_jax.errors import UserError
+
+# XLA's CPU compiler hoists float32 copies of the stacked weights and of the saved block inputs
+# out of the layer loop (its dots have no bfloat16 kernels): ~80 GB that a GPU compile does not
+# allocate at Qwen3-8B. A CPU plan of a GPU run therefore compiles without that pass.
+CPU_PLAN_FLAGS = "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    config: str | None
+    overrides: tuple[str, ...] = ()
+    preset: str | None = None
+    device_memory_gb: float | None = None  # default: this machine's first device
+    # default: XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75 of a GPU (1.0 of this CPU host)
+    memory_fraction: float | None = None
+    as_json: bool = False
+
+
+def _cpu_only() -> bool:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0] == "cpu"
+    return importlib.util.find_spec("jax_plugins") is None and (
+        importlib.util.find_spec("jax_cuda12_plugin") is None
+    )
+
+
+def prepare_cpu_flags() -> None:
+    """Before jax starts its backend: the CPU plan's compiler flags (see CPU_PLAN_FLAGS)."""
+    if _cpu_only() and CPU_PLAN_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_PLAN_FLAGS}".strip()
+
+
+def run(request: PlanRequest, out: TextIO) -> int:
+    prepare_cpu_flags()
+    from mmgrpo_jax.trainer.config import MMGRPOConfig
+    from mmgrpo_jax.trainer.plan import plan_memory, usable_fraction
+    from models.config import ModelConfig, preset
+    from models.hf import device_memory_bytes
+
+    try:
+        tree = config_tree(request.config, request.overrides)
+        section = dict(tree.get("mmgrpo", tree) if isinstance(tree, dict) else {})
+        model_path = section.pop("model_path", None)  # may not be on this machine: no check
+        config = build_config(MMGRPOConfig, section, "mmgrpo.")
+    except (ValueError, FileNotFoundError) as err:
+        raise UserError(str(err)) from None
+    config_json = Path(model_path) / "config.json" if model_path else None
+    shape_name = request.preset or config.model_shape
+    if config_json is not None and config_json.is_file():
+        model_config, name = ModelConfig.from_file(config_json), str(model_path)
+    elif shape_name is not None:
+        try:
+            model_config, name = preset(shape_name), shape_name
+        except ValueError as err:
+            raise UserError(str(err)) from None
+    else:
+        raise UserError(
+            f"no model shape: {str(config_json or 'mmgrpo.model_path')!r} is not on this "
+            "machine and neither mmgrpo.model_shape nor --preset names a preset"
+        )
+    fraction = request.memory_fraction
+    if request.device_memory_gb is not None:  # planning for another machine: a GPU's share
+        device = int(request.device_memory_gb * 1e9)
+        fraction = usable_fraction("gpu") if fraction is None else fraction
+    else:
+        device = device_memory_bytes()
+    plan = plan_memory(config, model_config, device, model_name=name, memory_fraction=fraction)
+    if request.as_json:
+        print(json.dumps(plan.to_json()), file=out)
+    else:
+        print(plan.table(), file=out)
+        refusal = plan.refusal(config)
+        if refusal:
+            print(f"\n{refusal}", file=out)
+    return 0

@@ -1,0 +1,127 @@
+import dataclasses
+import json
+
+import pytest
+
+from mmgrpo_jax import cli
+from mmgrpo_jax.errors import UserError
+from mmgrpo_jax.trainer.config import MemoryConfig, MMGRPOConfig, OptimConfig, SamplerConfig
+from mmgrpo_jax.trainer.plan import check_fits, plan_memory
+from models.config import ModelConfig
+
+MODEL = ModelConfig.tiny(512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+LEAN = MemoryConfig("blockwise", attention_block=128, remat=True, logits_chunk=128)
+
+
+def config(memory=None, micro_batch=4, sampler_batch=6, prompt=896, completion=128):
+    return MMGRPOConfig(
+        dtype="float32",
+        memory=memory or MemoryConfig(),
+        optim=OptimConfig(micro_batch_size=micro_batch),
+        sampler=SamplerConfig(
+            max_prompt_tokens=prompt, max_completion_tokens=completion, batch=sampler_batch
+        ),
+        progress=False,
+    )
+
+
+def test_the_plan_counts_weights_cache_and_both_phases():
+    plan = plan_memory(config(), MODEL, device_bytes=10**12, memory_fraction=0.5)
+    lora = 2 * 16 * 1024  # 2 layers x rank 16 x (in + out) summed over the 7 projections
+    assert plan.weights_bytes == (MODEL.num_params() + lora) * 4
+    # 6 requests pad to 8; 896 prompt tokens to 1,024, + 128 new: float32 keys and values of
+    # every layer, and one bool per slot saying whether it holds a token
+    layers, kv, dh, slots = MODEL.num_layers, MODEL.num_kv_heads, MODEL.head_dim, 1024 + 128
+    assert plan.kv_cache_bytes == 2 * layers * 8 * kv * dh * slots * 4 + 8 * slots
+    assert plan.sampler_bytes >= plan.weights_bytes + plan.kv_cache_bytes
+    assert plan.train_step_bytes >= plan.weights_bytes + plan.train_temp_bytes
+    assert plan.usable_bytes == 5 * 10**11 and plan.fits
+    assert plan.peak_bytes == max(plan.train_step_bytes, plan.sampler_bytes)
+    out = plan.to_json()
+    assert {"train_step_bytes", "sampler_bytes", "device_bytes", "fits"} <= set(out)
+    assert "| fits | yes |" in plan.table()
+
+
+def test_the_memory_settings_shrink_the_train_step():
+    """Dense float32 scores of 4 rows x 1,024 tokens dominate the reference step."""
+    dense = plan_memory(config(), MODEL, 10**12)
+    lean = plan_memory(config(memory=LEAN), MODEL, 10**12)
+    assert lean.train_temp_bytes < 0.5 * dense.train_temp_bytes
+    chunked = plan_memory(
+        config(memory=dataclasses.replace(LEAN, prefill_chunk=128)), MODEL, 10**12
+    )
+    assert chunked.sampler_temp_bytes < lean.sampler_temp_bytes
+
+
+def test_a_run_that_cannot_fit_names_the_phase_and_the_settings():
+    plan = plan_memory(config(), MODEL, device_bytes=10**12)
+    tight = dataclasses.replace(plan, usable_bytes=plan.peak_bytes - 1)
+    assert not tight.fits
+    why = tight.refusal(config())
+    assert "the train step needs" in why and "memory.remat=true" in why
+    assert "optim.micro_batch_size (now 4)" in why
+    sampler_heavy = dataclasses.replace(
+        tight, train_step_bytes=0, usable_bytes=tight.sampler_bytes - 1
+    )
+    assert "sampler.batch (now 6)" in sampler_heavy.refusal(config())
+    assert plan.refusal(config()) is None
+
+
+def test_train_refuses_before_reading_weights(checkpoints, monkeypatch):
+    from models import hf
+
+    cfg = dataclasses.replace(config(), model_path=str(checkpoints["llama31"]))
+    assert check_fits(cfg).fits
+    monkeypatch.setattr(hf, "device_memory_bytes", lambda device=None: 10**6)
+    with pytest.raises(UserError, match=r"needs .* GB, 0\.0 GB usable of 0\.0; try"):
+        check_fits(cfg)
+    off = dataclasses.replace(cfg, memory=MemoryConfig(check_fit=False))
+    assert check_fits(off) is None
+    unbounded = dataclasses.replace(cfg, sampler=SamplerConfig(max_prompt_tokens=None))
+    assert check_fits(unbounded) is None  # no longest prompt: nothing to plan (a warning)
+
+
+def test_plan_command_reads_a_train_config_without_its_checkpoint(tmp_path, capsys):
+    path = tmp_path / "train.yaml"
+    path.write_text(
+        "task: {name: hover}\n"
+        "mmgrpo:\n"
+        "  model_path: /not/here\n"
+        "  sampler: {max_prompt_tokens: 48, max_completion_tokens: 16, batch: 3}\n"
+    )
+    assert cli.main(["plan", "--config", str(path)]) == 2
+    assert "neither mmgrpo.model_shape nor --preset" in capsys.readouterr().err
+    assert cli.main(["plan", "--config", str(path), "--preset", "gpt5"]) == 2
+    assert "'gpt5' is not a preset" in capsys.readouterr().err
+
+
+def test_plan_command_json_from_a_checkpoint(checkpoints, tmp_path, capsys):
+    path = tmp_path / "train.yaml"
+    path.write_text(
+        f"mmgrpo:\n  model_path: {checkpoints['qwen3_tied']}\n"
+        "  sampler: {max_prompt_tokens: 48, max_completion_tokens: 16}\n"
+    )
+    argv = [
+        "plan",
+        "--config",
+        str(path),
+        "--json",
+        "--device-memory-gb",
+        "2",
+        "mmgrpo.dtype=float32",
+    ]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device_bytes"] == 2 * 10**9 and out["usable_bytes"] == 1.5 * 10**9
+    assert out["fits"] is True and out["train_step_bytes"] > 0 and out["sampler_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hover_qwen3_8b", "hover_llama31_8b"])
+def test_the_paper_configs_fit_one_h200(name, capsys):
+    """The README's table: ~40 s each on 2 cores (8B shapes compiled, nothing allocated)."""
+    argv = ["plan", "--config", f"experiments/configs/{name}.yaml", "--device-memory-gb", "141"]
+    assert cli.main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is True
+    assert out["train_step_bytes"] <= 100e9 and out["sampler_bytes"] <= 100e9
