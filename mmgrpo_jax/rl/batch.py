@@ -21,6 +21,7 @@ import numpy as np
 
 from mmgrpo_jax.rl.grouping import Group, Unit
 from mmgrpo_jax.sampling import length_bucket
+from mmgrpo_jax.shapes import bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,18 @@ class Batch:
     num_sequences: jax.Array  # [M] units in the whole step (the same in every entry)
     num_tokens: jax.Array  # [M] completion tokens in the whole step (the same in every entry)
     old_logps: jax.Array | None = None  # [M, b, L-1] before the step's first update
+    # Packed rows (`pack_rows(pack_length=...)`): tokens and valid are then [M, P, Lp], P
+    # sequences of Lp tokens each holding several rows, and the per-row fields above keep their
+    # [M, b, L-1] layout; row_index says where each row's targets sit in the packed log-probs.
+    positions: jax.Array | None = None  # [M, P, Lp] restarting at 0 in every row
+    segments: jax.Array | None = None  # [M, P, Lp] which row of the sequence; -1 = padding
+    row_index: jax.Array | None = None  # [M, b, L-1] flat index into [P * (Lp - 1)] log-probs
+
+    @property
+    def padding_fraction(self) -> float:
+        """The share of the forward pass's token slots that hold no token."""
+        valid = np.asarray(self.valid)
+        return float(1.0 - valid.sum() / valid.size)
 
 
 def _unit_key(row: Row, index: int) -> tuple[bool, int]:
@@ -132,12 +145,80 @@ def micro_batch_layout(rows: Sequence[Row], micro_batch_size: int) -> list[list[
     return chunks
 
 
-def pack_rows(rows: Sequence[Row], micro_batch_size: int) -> Batch:
-    """Right-padded micro-batches laid out by `micro_batch_layout`; unit ids renumbered."""
-    layout = micro_batch_layout(rows, micro_batch_size)
+def pack_layout(
+    rows: Sequence[Row], sequences: int, pack_length: int
+) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """Row indices of each micro-batch, and each row's (sequence, offset) inside it.
+
+    Rows go unit by unit, each into the first of the micro-batch's `sequences` sequences with
+    room for it; a micro-batch is closed before a unit that does not fit in what is left, so a
+    unit never spans two. A row longer than `pack_length`, or a unit that fits no empty
+    micro-batch, is an error naming the setting.
+    """
+    if sequences < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {sequences}")
+    if not rows:
+        raise ValueError("no rows to pack")
+    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rows]
+    too_long = [n for n in lengths if n > pack_length]
+    if too_long:
+        raise ValueError(
+            f"a training row of {max(too_long)} tokens does not fit memory.pack_length="
+            f"{pack_length}; raise it to at least sampler.max_prompt_tokens + "
+            "max_completion_tokens"
+        )
+    layout: list[list[int]] = [[]]
+    placements: list[list[tuple[int, int]]] = [[]]
+    fill = [0] * sequences
+
+    def place(members: list[int], fill: list[int]) -> list[tuple[int, int]] | None:
+        trial, spots = list(fill), []
+        for k in members:
+            room = (i for i, used in enumerate(trial) if used + lengths[k] <= pack_length)
+            seq = next(room, None)
+            if seq is None:
+                return None
+            spots.append((seq, trial[seq]))
+            trial[seq] += lengths[k]
+        fill[:] = trial
+        return spots
+
+    for members in _units(rows):
+        spots = place(members, fill)
+        if spots is None:
+            fill = [0] * sequences
+            spots = place(members, fill)
+            if spots is None:
+                raise ValueError(
+                    f"unit {rows[members[0]].unit} (a trajectory) of {len(members)} rows, "
+                    f"{sum(lengths[k] for k in members)} tokens, does not fit micro_batch_size="
+                    f"{sequences} sequences of memory.pack_length={pack_length}; raise either"
+                )
+            layout.append([])
+            placements.append([])
+        layout[-1] += members
+        placements[-1] += spots
+    return layout, placements
+
+
+def pack_rows(rows: Sequence[Row], micro_batch_size: int, pack_length: int | None = None) -> Batch:
+    """Right-padded micro-batches laid out by `micro_batch_layout`; unit ids renumbered.
+
+    With `pack_length`, each micro-batch is instead `micro_batch_size` sequences of
+    `pack_length` tokens into which its rows are packed end to end (`pack_layout`): the forward
+    pass sees no row padded to the longest, attention stays within a row (segments), positions
+    restart per row, and the per-row fields (loss mask, advantages, units, sampler log-probs)
+    are the same arrays as without packing, so the loss and its normalisers are unchanged.
+    """
+    if pack_length is None:
+        layout, placements = micro_batch_layout(rows, micro_batch_size), None
+    else:
+        layout, placements = pack_layout(rows, micro_batch_size, pack_length)
     longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
     length = length_bucket(longest)
-    shape = (len(layout), micro_batch_size)
+    # packed: as many row slots as the fullest micro-batch needs (bucketed), one per row
+    width = micro_batch_size if placements is None else bucket(max(map(len, layout)))
+    shape = (len(layout), width)
     tokens = np.zeros((*shape, length), np.int32)
     valid = np.zeros((*shape, length), bool)
     loss_mask = np.zeros((*shape, length - 1), bool)
@@ -160,9 +241,12 @@ def pack_rows(rows: Sequence[Row], micro_batch_size: int) -> Batch:
             unit_ids[m, i] = local.setdefault(_unit_key(row, k), len(local))
     units = len(_units(rows))
     completion_tokens = sum(len(r.completion_ids) for r in rows if r.in_loss)
+    packed = {}
+    if placements is not None:
+        packed = _packed_sequences(tokens, valid, layout, placements, micro_batch_size, pack_length)
     return Batch(
-        tokens=jnp.asarray(tokens),
-        valid=jnp.asarray(valid),
+        tokens=jnp.asarray(packed.pop("tokens", tokens)),
+        valid=jnp.asarray(packed.pop("valid", valid)),
         loss_mask=jnp.asarray(loss_mask),
         advantages=jnp.asarray(advantages),
         unit_ids=jnp.asarray(unit_ids),
@@ -170,4 +254,38 @@ def pack_rows(rows: Sequence[Row], micro_batch_size: int) -> Batch:
         has_sampler_logps=jnp.asarray(has_sampler_logps),
         num_sequences=jnp.full(shape[:1], units, jnp.float32),
         num_tokens=jnp.full(shape[:1], completion_tokens, jnp.float32),
+        **{k: jnp.asarray(v) for k, v in packed.items()},
     )
+
+
+def _packed_sequences(
+    row_tokens: np.ndarray,  # [M, b, L] right-padded rows
+    row_valid: np.ndarray,
+    layout: list[list[int]],
+    placements: list[list[tuple[int, int]]],
+    sequences: int,
+    pack_length: int,
+) -> dict[str, np.ndarray]:
+    """The packed tokens, valid, positions and segments, and each row target's packed index."""
+    m_count, _, length = row_tokens.shape
+    shape = (m_count, sequences, pack_length)
+    tokens, valid = np.zeros(shape, np.int32), np.zeros(shape, bool)
+    positions, segments = np.zeros(shape, np.int32), np.full(shape, -1, np.int32)
+    row_index = np.zeros((*row_tokens.shape[:2], length - 1), np.int32)
+    for m, spots in enumerate(placements):
+        for i, (seq, offset) in enumerate(spots[: len(layout[m])]):
+            n = int(row_valid[m, i].sum())
+            tokens[m, seq, offset : offset + n] = row_tokens[m, i, :n]
+            valid[m, seq, offset : offset + n] = True
+            positions[m, seq, offset : offset + n] = np.arange(n)
+            segments[m, seq, offset : offset + n] = i
+            # target j of the row (predicting its token j + 1) is packed position offset + j
+            targets = min(n - 1, length - 1)
+            row_index[m, i, :targets] = seq * (pack_length - 1) + offset + np.arange(targets)
+    return {
+        "tokens": tokens,
+        "valid": valid,
+        "positions": positions,
+        "segments": segments,
+        "row_index": row_index,
+    }

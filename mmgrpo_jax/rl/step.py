@@ -76,10 +76,37 @@ def token_logprobs(
     rngs: nnx.Rngs | None = None,
     *,
     logits_chunk: int = 0,
+    positions: jax.Array | None = None,  # [b, L] packed rows: restarting per row
+    segments: jax.Array | None = None,  # [b, L] packed rows: which row each token is of
 ) -> jax.Array:  # [b, L-1] log p(token t+1 | tokens <= t)
     """Log-probs of the next tokens under logits / temperature, the sampler's distribution."""
-    hidden = model.final_hidden(tokens, valid, use_lora=use_lora, rngs=rngs)[:, :-1]
+    hidden = model.final_hidden(tokens, valid, positions, segments, use_lora, rngs)[:, :-1]
     return target_logprobs(model, hidden, tokens[:, 1:], temperature, logits_chunk)
+
+
+def batch_logprobs(
+    model: Decoder,
+    micro: Batch,
+    temperature: float,
+    use_lora: bool = True,
+    rngs: nnx.Rngs | None = None,
+    logits_chunk: int = 0,
+) -> jax.Array:  # [b, L-1] in the micro-batch's row layout, packed or not
+    """A micro-batch's target log-probs; packed sequences are unpacked into their rows."""
+    logps = token_logprobs(
+        model,
+        micro.tokens,
+        micro.valid,
+        temperature,
+        use_lora,
+        rngs,
+        logits_chunk=logits_chunk,
+        positions=micro.positions,
+        segments=micro.segments,
+    )
+    if micro.row_index is None:
+        return logps
+    return jnp.take(logps.reshape(-1), micro.row_index)
 
 
 def target_logprobs(
@@ -126,9 +153,7 @@ def make_logprob_fn(
         model = nnx.merge(graphdef, trainable, frozen.base)
 
         def one(_, micro: Batch):
-            return None, token_logprobs(
-                model, micro.tokens, micro.valid, temperature, logits_chunk=logits_chunk
-            )
+            return None, batch_logprobs(model, micro, temperature, logits_chunk=logits_chunk)
 
         return jax.lax.scan(one, None, batch)[1]
 
@@ -165,11 +190,7 @@ def make_train_step(
         model = nnx.merge(graphdef, trainable, frozen.base)
         rngs = nnx.Rngs(dropout=key)  # used only by LoRA layers with dropout > 0
         logprobs = functools.partial(
-            token_logprobs,
-            tokens=micro.tokens,
-            valid=micro.valid,
-            temperature=temperature,
-            logits_chunk=logits_chunk,
+            batch_logprobs, micro=micro, temperature=temperature, logits_chunk=logits_chunk
         )
         logps = logprobs(model, rngs=rngs)
         ref = None

@@ -107,6 +107,9 @@ class MemoryConfig:
     remat: bool = False  # recompute every block in the backward pass (keep block inputs only)
     logits_chunk: int = 0  # positions per lm_head chunk in log-prob passes; 0 = all at once
     prefill_chunk: int = 0  # prompt tokens per sampler prefill pass; 0 = the whole prompt
+    # > 0: a micro-batch is optim.micro_batch_size sequences of this many tokens, training rows
+    # packed end to end (no attention across rows); 0: rows padded to the step's longest
+    pack_length: int = 0
     # `mmgrpo train` compiles the step and the sampler abstractly before reading weights and
     # refuses a run that cannot fit; false skips that (a run that does not fit then fails at
     # its first out-of-memory error)
@@ -117,7 +120,7 @@ class MemoryConfig:
             raise _bad(self, "attention", f"must be one of {IMPLEMENTATIONS}")
         if self.attention_block < 1:
             raise _bad(self, "attention_block", "must be >= 1")
-        for name in ("logits_chunk", "prefill_chunk"):
+        for name in ("logits_chunk", "prefill_chunk", "pack_length"):
             if getattr(self, name) < 0:
                 raise _bad(self, name, "must be >= 0 (0 = no chunking)")
 
@@ -196,6 +199,13 @@ class MMGRPOConfig:
             raise _bad(self, "model_shape", f"must be a preset: one of {sorted(PRESETS)}")
         if self.model_path is not None and not Path(self.model_path).is_dir():
             raise _bad(self, "model_path", "is not a directory (a local Hugging Face checkpoint)")
+        pack, prompt = self.memory.pack_length, self.sampler.max_prompt_tokens
+        longest = None if prompt is None else prompt + self.sampler.max_completion_tokens
+        if pack and longest is not None and pack < longest:
+            raise ValueError(
+                f"MMGRPOConfig.memory.pack_length={pack} is shorter than the longest row, "
+                f"sampler.max_prompt_tokens + max_completion_tokens = {longest}"
+            )
         length = self.loss.max_completion_length
         if length is not None and length != self.sampler.max_completion_tokens:
             raise ValueError(

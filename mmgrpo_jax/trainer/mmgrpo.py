@@ -477,8 +477,10 @@ class MMGRPO:
         update: dict[str, float] = {}
         if rollouts.rows:
             start = time.perf_counter()
-            batch = pack_rows(rollouts.rows, cfg.optim.micro_batch_size)
+            pack_length = cfg.memory.pack_length or None
+            batch = pack_rows(rollouts.rows, cfg.optim.micro_batch_size, pack_length)
             update = self._update(learner, batch, guard, step)
+            update["padding_fraction"] = batch.padding_fraction
             lm.engine.update_weights(learner.state.trainable)  # the next rollouts use the update
             seconds["train"] = time.perf_counter() - start
         else:

@@ -224,7 +224,8 @@ def _train_step_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, A
     b = config.optim.micro_batch_size
     longest = config.sampler.max_prompt_tokens + config.sampler.max_completion_tokens
     length = length_bucket(longest)
-    batch = abstract_batch(1, b, length, old_logps=config.num_iterations > 1)
+    pack = config.memory.pack_length
+    batch = abstract_batch(1, b, length, old_logps=config.num_iterations > 1, pack_length=pack)
     step = make_train_step(
         graphdef,
         optimizer,
@@ -237,18 +238,28 @@ def _train_step_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, A
         "total_bytes": total,
         "temp_bytes": temp,
         "state_bytes": _nbytes((params, opt_state, reference)),
-        "shape": f"{b} rows x {length} tokens",
+        "shape": f"{b} packed rows x {pack} tokens" if pack else f"{b} rows x {length} tokens",
     }
 
 
-def abstract_batch(micro_batches: int, rows: int, length: int, old_logps: bool) -> Batch:
-    """A `Batch` of ShapeDtypeStructs: what `pack_rows` would build at these sizes."""
+def abstract_batch(
+    micro_batches: int, rows: int, length: int, old_logps: bool, pack_length: int = 0
+) -> Batch:
+    """A `Batch` of ShapeDtypeStructs: what `pack_rows` would build at these sizes (packed: one
+    longest row per sequence, the most per-row slots a full micro-batch can need)."""
     shape = (micro_batches, rows)
-    tokens = _spec((*shape, length), jnp.int32)
     targets = (*shape, length - 1)
+    sequence = (*shape, pack_length or length)
+    packed = {}
+    if pack_length:
+        packed = {
+            "positions": _spec(sequence, jnp.int32),
+            "segments": _spec(sequence, jnp.int32),
+            "row_index": _spec(targets, jnp.int32),
+        }
     return Batch(
-        tokens=tokens,
-        valid=_spec((*shape, length), jnp.bool_),
+        tokens=_spec(sequence, jnp.int32),
+        valid=_spec(sequence, jnp.bool_),
         loss_mask=_spec(targets, jnp.bool_),
         advantages=_spec(shape, jnp.float32),
         unit_ids=_spec(shape, jnp.int32),
@@ -257,6 +268,7 @@ def abstract_batch(micro_batches: int, rows: int, length: int, old_logps: bool) 
         num_sequences=_spec(shape[:1], jnp.float32),
         num_tokens=_spec(shape[:1], jnp.float32),
         old_logps=_spec(targets, jnp.float32) if old_logps else None,
+        **packed,
     )
 
 

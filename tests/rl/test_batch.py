@@ -120,3 +120,46 @@ def test_truncated_completions_can_be_masked_and_missing_ids_are_an_error():
     )
     with pytest.raises(ValueError, match=r"start\[0\] has no token ids"):
         rows_from_groups(groups, advantages)
+
+
+@pytest.mark.parametrize("trajectories", [None, [0, 0, 1, 2, 2, 2, 3]])
+def test_packed_rows_hold_every_row_once_with_restarting_positions(trajectories):
+    rows = make_rows(seed=2, trajectories=trajectories)
+    batch = pack_rows(rows, micro_batch_size=2, pack_length=24)
+    tokens, segments = np.asarray(batch.tokens), np.asarray(batch.segments)
+    positions, index = np.asarray(batch.positions), np.asarray(batch.row_index)
+    assert tokens.shape[1:] == (2, 24) and batch.loss_mask.shape[2] == 15  # rows keep [b, L-1]
+    seen = []
+    for m in range(tokens.shape[0]):
+        units = np.asarray(batch.unit_ids[m])
+        for i in np.flatnonzero(units >= 0):
+            mask = np.asarray(batch.loss_mask[m, i])
+            where = index[m, i][mask]  # this row's completion targets in the packed log-probs
+            seq = int(where[0]) // 23  # 23 = pack_length - 1 targets per sequence
+            row_tokens = tokens[m, seq][segments[m, seq] == i]
+            seen.append(tuple(row_tokens.tolist()))
+            assert positions[m, seq][segments[m, seq] == i].tolist() == list(range(len(row_tokens)))
+            # packed target t scores token t + 1 of its sequence: the row's completion tokens
+            targets = tokens[m, :, 1:].reshape(-1)
+            assert targets[where].tolist() == row_tokens[-int(mask.sum()) :].tolist()
+    assert sorted(seen) == sorted(r.prompt_ids + r.completion_ids for r in rows)
+    if trajectories is not None:  # a trajectory's rows share one micro-batch
+        per_micro = [set(np.asarray(batch.unit_ids[m])) - {-1} for m in range(tokens.shape[0])]
+        assert sum(len(u) for u in per_micro) == 4
+
+
+def test_packing_cuts_the_padding_of_a_hover_like_step():
+    """Many short module calls and a few long ones: padding to the longest wastes most slots."""
+    rng = np.random.default_rng(0)
+    lengths = [*rng.integers(20, 60, 40), *rng.integers(200, 250, 4)]
+    rows = [Row(tuple(range(1, n)), (7,), 0.5) for n in lengths]
+    padded = pack_rows(rows, micro_batch_size=8)
+    packed = pack_rows(rows, micro_batch_size=2, pack_length=256)
+    assert padded.padding_fraction > 0.75 and packed.padding_fraction < 0.25
+    assert packed.tokens.size < padded.tokens.size / 3
+
+
+def test_a_row_longer_than_the_pack_is_named():
+    rows = make_rows(seed=1)
+    with pytest.raises(ValueError, match=r"row of \d+ tokens does not fit memory.pack_length=8"):
+        pack_rows(rows, micro_batch_size=2, pack_length=8)

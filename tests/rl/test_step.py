@@ -277,3 +277,43 @@ def test_memory_lean_step_equals_the_reference_step(train, dropout, trajectory_l
         np.testing.assert_allclose(
             g.get_value(), w.get_value(), rtol=1e-4, atol=1e-5 * max(scale, 1e-3), err_msg=str(path)
         )
+
+
+@pytest.mark.parametrize(
+    ("cfg", "trajectory_level"),
+    [
+        (LossConfig("grpo", beta=0.04), False),
+        (LossConfig("dr_grpo", max_completion_length=8), True),
+    ],
+    ids=["grpo_module", "dr_grpo_trajectory"],
+)
+def test_packed_rows_give_the_unpacked_step(cfg, trajectory_level):
+    tids = [0, 0, 1, 2, 2, 2, 3] if trajectory_level else None
+    rows = make_rows(seed=6, trajectories=tids)
+
+    def run(batch):
+        optimizer = optax.sgd(1.0)
+        graphdef, state, frozen = split_for_training(fresh_model(), optimizer)
+        before = jax.tree.map(np.asarray, state.trainable)
+        logps = make_logprob_fn(graphdef, TEMPERATURE)(state.trainable, frozen, batch)
+        new_state, metrics = make_train_step(graphdef, optimizer, cfg, TEMPERATURE)(
+            state, frozen, batch
+        )
+        grad = jax.tree.map(lambda a, b: a - np.asarray(b), before, new_state.trainable)
+        # each row's masked target log-probs, rows in layout order (the same in both layouts)
+        mask, units = np.asarray(batch.loss_mask), np.asarray(batch.unit_ids)
+        present = zip(*np.nonzero(units >= 0), strict=True)
+        per_row = [np.asarray(logps)[m, i][mask[m, i]] for m, i in present]
+        return grad, metrics, per_row
+
+    want = run(pack_rows(rows, micro_batch_size=4))
+    packed = pack_rows(rows, micro_batch_size=2, pack_length=24)
+    assert packed.tokens.shape[-1] == 24 and packed.tokens.shape[1] == 2
+    got = run(packed)
+    for name in ("loss", "grad_norm", "kl_mean", "tokens", "ratio_mean"):
+        np.testing.assert_allclose(float(got[1][name]), float(want[1][name]), rtol=1e-5)
+    for g, w in zip(got[2], want[2], strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    jax.tree.map(
+        lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), got[0], want[0]
+    )

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import jax
@@ -8,7 +9,7 @@ from flax import nnx
 from mmgrpo_jax.program import Example, Module, Predict
 from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.testing import tiny_decoder
-from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
+from mmgrpo_jax.trainer.config import MemoryConfig, MMGRPOConfig, OptimConfig, SamplerConfig
 from mmgrpo_jax.trainer.mmgrpo import MMGRPO, examples_for_step
 from models.lora import LoRAConfig
 
@@ -74,12 +75,23 @@ RECORDED = {
 }
 
 
-@pytest.mark.parametrize("grouping", ["module", "trajectory"])
-def test_two_steps_train_only_lora_and_log_everything(tokenizer, tmp_path, grouping):
+# The memory-lean path (blockwise attention, remat, chunked log-probs and prefill, packed rows)
+# must give the recorded numbers too.
+LEAN = MemoryConfig("blockwise", 16, True, logits_chunk=8, prefill_chunk=32, pack_length=256)
+
+
+@pytest.mark.parametrize(
+    ("grouping", "memory"),
+    [("module", None), ("trajectory", None), ("module", LEAN)],
+    ids=["module", "trajectory", "module_lean_packed"],
+)
+def test_two_steps_train_only_lora_and_log_everything(tokenizer, tmp_path, grouping, memory):
     model = new_model(tokenizer)
     base_before = base_params(model)
     lora_before = jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))
     cfg = config(tmp_path, grouping=grouping, loss=LossConfig("grpo", beta=0.04))
+    if memory is not None:
+        cfg = dataclasses.replace(cfg, memory=memory)
     model, _ = run(tokenizer, cfg, model)
     jax.tree.map(np.testing.assert_array_equal, base_before, base_params(model))
     lora_after = jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))
@@ -108,6 +120,7 @@ def test_two_steps_train_only_lora_and_log_everything(tokenizer, tmp_path, group
             "sampler_occupancy",
             "rollout_tokens_per_s",
             "train_tokens_per_s",
+            "padding_fraction",
         ):
             assert np.isfinite(record[key]), key
         assert record["sampler_logprob_gap"] < 1e-4  # sampler and trainer agree before the update
