@@ -246,19 +246,76 @@ def generate(
     seed: int = 0,
     mesh: Mesh | None = None,
     prefill_chunk: int = 0,
+    max_cache_tokens: int | None = None,
 ) -> list[Completion]:
     """Sample a completion for every prompt; temperature 0 is greedy. See the module doc.
 
     `prefill_chunk` > 0 prefills prompts longer than it that many tokens at a time (the prompt
-    bucket is then a multiple of it).
+    bucket is then a multiple of it). `max_cache_tokens` bounds padded rows x cache slots of one
+    call: a larger request batch is sampled in several calls, in order, each with its own key
+    (the first with the seed's, so a batch that fits is sampled as without the bound).
     """
     if not prompts:
         return []
     vocab = model.config.vocab_size
     _check_arguments(prompts, vocab, max_new_tokens, temperature, top_p, top_k)
+    params = SamplingParams(
+        greedy=temperature == 0,
+        top_k=int(top_k),
+        top_p=float(top_p),
+        eos_token_ids=tuple(sorted({int(t) for t in eos_token_ids})),
+    )
+    key = jax.random.key(seed)
+    per_call = _rows_per_call(prompts, max_new_tokens, prefill_chunk, max_cache_tokens, mesh)
+    completions: list[Completion] = []
+    for part, start in enumerate(range(0, len(prompts), per_call)):
+        part_key = key if part == 0 else jax.random.fold_in(key, part)
+        completions += _generate_batch(
+            model,
+            prompts[start : start + per_call],
+            max_new_tokens,
+            temperature,
+            params,
+            part_key,
+            mesh,
+            prefill_chunk,
+        )
+    return completions
+
+
+def _rows_per_call(prompts, max_new_tokens, prefill_chunk, max_cache_tokens, mesh) -> int:
+    """The most requests one sampler call takes within the cache budget (all without one)."""
     n = len(prompts)
+    if not max_cache_tokens:
+        return n
+    slots = prompt_bucket(max(map(len, prompts)), prefill_chunk) + length_bucket(max_new_tokens)
     multiple = batch_multiple(mesh)
-    batch = -(-batch_bucket(n) // multiple) * multiple
+    fits = [b for b in range(1, n + 1) if _padded_batch(b, multiple) * slots <= max_cache_tokens]
+    if not fits:
+        raise ValueError(
+            f"one request needs {_padded_batch(1, multiple) * slots} cache slots (a prompt of "
+            f"{max(map(len, prompts))} tokens + {max_new_tokens} new, bucketed), more than "
+            f"max_cache_tokens={max_cache_tokens}: raise it or shorten the prompts"
+        )
+    return max(fits)
+
+
+def _padded_batch(n: int, multiple: int) -> int:
+    return -(-batch_bucket(n) // multiple) * multiple
+
+
+def _generate_batch(
+    model: Decoder,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float,
+    params: SamplingParams,
+    key: jax.Array,
+    mesh: Mesh | None,
+    prefill_chunk: int,
+) -> list[Completion]:
+    n = len(prompts)
+    batch = _padded_batch(n, batch_multiple(mesh))
     prompt_len = prompt_bucket(max(len(p) for p in prompts), prefill_chunk)
     new_bucket = length_bucket(max_new_tokens)
     tokens = np.zeros((batch, prompt_len), np.int32)
@@ -272,13 +329,6 @@ def generate(
         tokens, valid, live = (
             jax.device_put(a, batch_sharding(mesh, a.ndim)) for a in (tokens, valid, live)
         )
-    params = SamplingParams(
-        greedy=temperature == 0,
-        top_k=int(top_k),
-        top_p=float(top_p),
-        eos_token_ids=tuple(sorted({int(t) for t in eos_token_ids})),
-    )
-    key = jax.random.key(seed)
     temp = jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32)
     graphdef, state = nnx.split(model)
     first, first_logprob, cache, next_position = _prefill(

@@ -197,3 +197,20 @@ def test_bad_arguments_name_the_value(model, kwargs, message):
 
 def test_empty_prompt_list_returns_nothing(model):
     assert generate(model, [], max_new_tokens=3) == []
+
+
+def test_a_batch_over_the_cache_budget_is_split_into_independent_calls(model):
+    prompts = [PROMPTS[1]] * 3 + [PROMPTS[3]]  # slots per row: 32 prompt + 16 new = 48
+    want = generate(model, prompts, max_new_tokens=5, temperature=0)
+    split = generate(model, prompts, max_new_tokens=5, temperature=0, max_cache_tokens=2 * 48)
+    assert [c.token_ids for c in split] == [c.token_ids for c in want]
+    sampled = generate(
+        model, [PROMPTS[1]] * 4, max_new_tokens=8, temperature=1.0, seed=1, max_cache_tokens=96
+    )
+    # the two calls draw with different keys: the same prompt in the same row differs
+    assert (
+        sampled[0].token_ids != sampled[2].token_ids or sampled[1].token_ids != sampled[3].token_ids
+    )
+    too_small = r"one request needs 48 cache slots .* max_cache_tokens=40"
+    with pytest.raises(ValueError, match=too_small):
+        generate(model, prompts, max_new_tokens=5, max_cache_tokens=40)

@@ -50,10 +50,12 @@ class JaxEngine:
         seed: int = 0,
         mesh: Mesh | None = None,
         prefill_chunk: int = 0,
+        max_cache_tokens: int | None = None,
     ) -> None:
         """`trainable` filters the part `update_weights` replaces (default: the LoRA parameters
         of a model with an adapter, else every parameter); `prefill_chunk` > 0 prefills long
-        prompts that many tokens at a time (`sampling.generate`)."""
+        prompts that many tokens at a time; `max_cache_tokens` splits a dispatch whose padded
+        rows x cache slots exceed it into several sampler calls (`sampling.generate`)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_wait_s <= 0:
@@ -70,6 +72,9 @@ class JaxEngine:
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
+        if max_cache_tokens is not None and max_cache_tokens < 1:
+            raise ValueError(f"max_cache_tokens must be >= 1 or None, got {max_cache_tokens}")
+        self.max_cache_tokens = max_cache_tokens
         self._stats = EngineStats(max_batch=max_batch)
         self._seed = seed
         self._sampled_dispatches = 0
@@ -172,6 +177,7 @@ class JaxEngine:
                 seed=seed,
                 mesh=self.mesh,
                 prefill_chunk=self.prefill_chunk,
+                max_cache_tokens=self.max_cache_tokens,
             )
         except Exception as err:  # every waiting caller sees the failure; none hangs
             for pending in batch:

@@ -79,6 +79,9 @@ class SamplerConfig:
     max_prompt_tokens: int | None = None
     max_completion_tokens: int = 256
     batch: int = 64  # most requests in one sampler call
+    # most padded rows x cache slots (prompt + new tokens, bucketed) one sampler call may hold:
+    # a larger batch is sampled in several calls; null = no bound (`mmgrpo plan` sizes it)
+    max_cache_tokens: int | None = None
     max_wait_s: float = 0.05  # a batch closes early once its oldest request waited this long
 
     def __post_init__(self) -> None:
@@ -92,6 +95,8 @@ class SamplerConfig:
             raise _bad(self, "max_completion_tokens", "must be >= 1")
         if self.batch < 1:
             raise _bad(self, "batch", "must be >= 1")
+        if self.max_cache_tokens is not None and self.max_cache_tokens < 1:
+            raise _bad(self, "max_cache_tokens", "must be >= 1 or null")
         if not self.max_wait_s > 0:
             raise _bad(self, "max_wait_s", "must be > 0")
 

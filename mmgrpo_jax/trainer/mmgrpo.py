@@ -116,6 +116,7 @@ def default_engine(
         max_wait_s=config.sampler.max_wait_s,
         seed=config.seed,
         prefill_chunk=config.memory.prefill_chunk,
+        max_cache_tokens=config.sampler.max_cache_tokens,
     )
 
 

@@ -109,7 +109,8 @@ class MemoryPlan:
             what = f"the train step needs {self.train_step_bytes / GB:.1f} GB"
         else:
             advice = [
-                f"a smaller sampler.batch (now {config.sampler.batch})",
+                f"a smaller sampler.batch (now {config.sampler.batch}) or a bound on the rows "
+                "x slots of one sampler call (sampler.max_cache_tokens)",
                 *(["memory.attention=blockwise"] if config.memory.attention == "dense" else []),
                 "a shorter sampler.max_prompt_tokens / max_completion_tokens",
             ]
@@ -274,9 +275,21 @@ def abstract_batch(
 
 def _sampler_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, Any]:
     s = config.sampler
-    batch = batch_bucket(s.batch)
     prompt = prompt_bucket(s.max_prompt_tokens, config.memory.prefill_chunk)
     new = max(length_bucket(s.max_completion_tokens), MIN_LENGTH_BUCKET)
+    requests = s.batch
+    if s.max_cache_tokens:  # the engine splits a larger batch: plan one call of the split
+        requests = max(
+            [
+                1,
+                *(
+                    b
+                    for b in range(1, s.batch + 1)
+                    if batch_bucket(b) * (prompt + new) <= s.max_cache_tokens
+                ),
+            ]
+        )
+    batch = batch_bucket(requests)
     graphdef, state = nnx.split(abstract)
     params = SamplingParams(greedy=False, top_k=0, top_p=s.top_p, eos_token_ids=(0,))
     key = jax.eval_shape(lambda: jax.random.key(0))
