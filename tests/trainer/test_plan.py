@@ -43,12 +43,12 @@ def test_the_plan_counts_weights_cache_and_both_phases():
 
 
 def test_the_memory_settings_shrink_the_train_step():
-    """Dense float32 scores of 4 rows x 1,024 tokens dominate the reference step."""
-    dense = plan_memory(config(), MODEL, 10**12)
-    lean = plan_memory(config(memory=LEAN), MODEL, 10**12)
+    """Dense float32 scores of 4 rows x 512 tokens dominate the reference step."""
+    dense = plan_memory(config(prompt=384), MODEL, 10**12)
+    lean = plan_memory(config(memory=LEAN, prompt=384), MODEL, 10**12)
     assert lean.train_temp_bytes < 0.5 * dense.train_temp_bytes
     chunked = plan_memory(
-        config(memory=dataclasses.replace(LEAN, prefill_chunk=128)), MODEL, 10**12
+        config(memory=dataclasses.replace(LEAN, prefill_chunk=128), prompt=384), MODEL, 10**12
     )
     assert chunked.sampler_temp_bytes < lean.sampler_temp_bytes
 
@@ -70,7 +70,9 @@ def test_a_run_that_cannot_fit_names_the_phase_and_the_settings():
 def test_train_refuses_before_reading_weights(checkpoints, monkeypatch):
     from models import hf
 
-    cfg = dataclasses.replace(config(), model_path=str(checkpoints["llama31"]))
+    cfg = dataclasses.replace(
+        config(prompt=48, completion=16), model_path=str(checkpoints["llama31"])
+    )
     assert check_fits(cfg).fits
     monkeypatch.setattr(hf, "device_memory_bytes", lambda device=None: 10**6)
     with pytest.raises(UserError, match=r"needs .* GB, 0\.0 GB usable of 0\.0; try"):
