@@ -72,7 +72,7 @@ def test_greedy_ragged_batch_equals_single_prompts_and_hf(pair):
         np.testing.assert_allclose(b.logprobs, s.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["dense", "blockwise"])
+@pytest.mark.parametrize("attention", ["blockwise"])
 def test_chunked_prefill_and_blockwise_attention_give_the_same_samples(model, attention):
     """Prefill 8 tokens at a time (prompts up to 40 tokens: 5 chunks, most rows left-padded)."""
     prompts = [RNG.integers(0, VOCAB, n).tolist() for n in (40, 3, 17)]

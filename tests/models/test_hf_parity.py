@@ -60,7 +60,7 @@ def test_left_padded_ragged_batch_matches_hf(checkpoints, name):
     np.testing.assert_array_equal(np.asarray(explicit), np.asarray(got))
 
 
-@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+@pytest.mark.parametrize("name", ["llama31", "qwen3_tied", "qwen2_bias"])
 def test_blockwise_attention_with_remat_matches_hf(checkpoints, name):
     """The memory-lean forward (tiles smaller than the sequence) against HF's eager attention."""
     want = hf_logits(checkpoints[name], mask=MASK)

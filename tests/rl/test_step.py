@@ -281,11 +281,8 @@ def test_memory_lean_step_equals_the_reference_step(train, dropout, trajectory_l
 
 @pytest.mark.parametrize(
     ("cfg", "trajectory_level"),
-    [
-        (LossConfig("grpo", beta=0.04), False),
-        (LossConfig("dr_grpo", max_completion_length=8), True),
-    ],
-    ids=["grpo_module", "dr_grpo_trajectory"],
+    [(LossConfig("dr_grpo", max_completion_length=8, beta=0.04), True)],
+    ids=["dr_grpo_trajectory_kl"],
 )
 def test_packed_rows_give_the_unpacked_step(cfg, trajectory_level):
     tids = [0, 0, 1, 2, 2, 2, 3] if trajectory_level else None

@@ -42,6 +42,7 @@ def test_the_plan_counts_weights_cache_and_both_phases():
     assert "| fits | yes |" in plan.table()
 
 
+@pytest.mark.slow  # nine compiles, ~30 s: the paper configs' plans show the same effect at 8B
 def test_the_memory_settings_shrink_the_train_step():
     """Dense float32 scores of 4 rows x 512 tokens dominate the reference step."""
     dense = plan_memory(config(prompt=384), MODEL, 10**12)
