@@ -131,6 +131,9 @@ def _prefill(
     cache = cache.replace(valid=cache.valid.at[:, :prompt].set(valid))
     positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0)
     if 0 < chunk < prompt:
+        if prompt % chunk:
+            raise ValueError(f"prefill chunk {chunk} does not divide the prompt bucket {prompt}")
+
         # Chunked prefill: the activations of `chunk` positions at a time, each chunk attending
         # to the cache filled so far (a 48 x 6,144-token prefill otherwise holds ~15 GB per MLP
         # activation at 8B).

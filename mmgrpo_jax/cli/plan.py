@@ -19,7 +19,7 @@ from mmgrpo_jax.cli.config import build_config, config_tree
 from mmgrpo_jax.errors import UserError
 
 # XLA's CPU compiler hoists float32 copies of the stacked weights and of the saved block inputs
-# out of the layer loop (its dots have no bfloat16 kernels): ~80 GB that a GPU compile does not
+# out of the layer loop (its dots have no bfloat16 kernels): ~45 GB that a GPU compile does not
 # allocate at Qwen3-8B. A CPU plan of a GPU run therefore compiles without that pass.
 CPU_PLAN_FLAGS = "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
 

@@ -208,7 +208,8 @@ def pack_rows(rows: Sequence[Row], micro_batch_size: int, pack_length: int | Non
     `pack_length` tokens into which its rows are packed end to end (`pack_layout`): the forward
     pass sees no row padded to the longest, attention stays within a row (segments), positions
     restart per row, and the per-row fields (loss mask, advantages, units, sampler log-probs)
-    are the same arrays as without packing, so the loss and its normalisers are unchanged.
+    are the same arrays as without packing, so the loss and its normalisers are unchanged
+    (except bnpo's per-micro-batch token mean, which the config refuses to pack).
     """
     if pack_length is None:
         layout, placements = micro_batch_layout(rows, micro_batch_size), None

@@ -18,7 +18,7 @@ from flax import nnx
 
 from mmgrpo_jax.rl.advantages import SCALES
 from mmgrpo_jax.rl.grouping import ALIGN_MODES, grouping_rule
-from mmgrpo_jax.rl.losses import LossConfig
+from mmgrpo_jax.rl.losses import VARIANTS, LossConfig
 from models.attention import IMPLEMENTATIONS, AttentionConfig
 from models.config import PRESETS
 from models.lora import LoRAConfig
@@ -210,6 +210,12 @@ class MMGRPOConfig:
             raise ValueError(
                 f"MMGRPOConfig.memory.pack_length={pack} is shorter than the longest row, "
                 f"sampler.max_prompt_tokens + max_completion_tokens = {longest}"
+            )
+        if pack and VARIANTS[self.loss.variant].aggregation == "token_mean_local":
+            raise ValueError(
+                f"MMGRPOConfig.memory.pack_length={pack} with loss.variant="
+                f"{self.loss.variant!r}: its per-micro-batch token mean depends on which rows "
+                "share a micro-batch, which packing changes; set pack_length=0"
             )
         length = self.loss.max_completion_length
         if length is not None and length != self.sampler.max_completion_tokens:

@@ -85,12 +85,22 @@ def load_policy(config: MMGRPOConfig) -> tuple[Decoder, HFTokenizer, tuple[int, 
     """Model (with a fresh LoRA adapter unless training in full), tokenizer and stop ids."""
     if config.model_path is None:
         raise ValueError("MMGRPOConfig.model_path is not set and no model was passed in")
-    return load_checkpoint(
+    model, tokenizer, stop = load_checkpoint(
         config.model_path,
         dtype=jnp.dtype(config.dtype),
         lora=config.lora if config.train == "lora" else None,
         lora_seed=config.seed,
     )
+    apply_memory_settings(model, config)  # before any engine splits it (its graphdef is fixed)
+    return model, tokenizer, stop
+
+
+def apply_memory_settings(model: Decoder, config: MMGRPOConfig) -> Decoder:
+    """The config's attention and remat on the model: static parts of its graph, so an engine
+    split from it earlier keeps the old ones."""
+    model.attention = config.memory.attention_config
+    model.remat = config.memory.remat
+    return model
 
 
 def examples_for_step(num_examples: int, per_step: int, step: int, seed: int) -> list[int]:
@@ -320,10 +330,9 @@ class MMGRPO:
             raise ValueError("a model passed in needs its tokenizer and stop_token_ids too")
         if config.train == "lora" and model.lora is None:
             raise ValueError("train='lora' needs a model built with a LoRA adapter (lora=...)")
-        # the memory settings are static parts of the model's graph: every jitted pass (train
-        # step, log-probs, the engine split from it) runs with them
-        model.attention = config.memory.attention_config
-        model.remat = config.memory.remat
+        # static parts of the model's graph: the train step, the log-prob pass and the default
+        # engine (split in compile) run with them; an engine passed in was split before
+        apply_memory_settings(model, config)
         self.metric, self.config, self.model, self.tokenizer = metric, config, model, tokenizer
         self.stop_token_ids = tuple(stop_token_ids)
         self.engine, self._engine_factory = _engine_or_factory(engine)

@@ -144,7 +144,14 @@ def check_fits(config: MMGRPOConfig) -> MemoryPlan | None:
     from models.hf import device_memory_bytes
 
     model_config = ModelConfig.from_file(Path(config.model_path) / "config.json")
-    plan = plan_memory(config, model_config, device_memory_bytes(), model_name=config.model_path)
+    # a GPU's bytes_limit is already the client's share (XLA_PYTHON_CLIENT_MEM_FRACTION applied)
+    plan = plan_memory(
+        config,
+        model_config,
+        device_memory_bytes(),
+        model_name=config.model_path,
+        memory_fraction=1.0,
+    )
     refusal = plan.refusal(config)
     if refusal:
         raise UserError(f"{refusal}; or memory.check_fit=false to try anyway")

@@ -128,3 +128,30 @@ def test_the_paper_configs_fit_one_h200(name, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is True
     assert out["train_step_bytes"] <= 100e9 and out["sampler_bytes"] <= 100e9
+
+
+def test_a_loaded_policy_carries_the_memory_settings_before_any_engine_splits_it(
+    checkpoints, monkeypatch
+):
+    from mmgrpo_jax.trainer import mmgrpo
+    from models.hf import from_pretrained
+
+    def weights_only(path, **kwargs):  # these checkpoints have no tokenizer files
+        return from_pretrained(path, dtype=kwargs["dtype"], lora=kwargs["lora"]), None, ()
+
+    monkeypatch.setattr(mmgrpo, "load_checkpoint", weights_only)
+    cfg = dataclasses.replace(config(memory=LEAN), model_path=str(checkpoints["llama31"]))
+    model, _, _ = mmgrpo.load_policy(cfg)
+    assert model.attention == LEAN.attention_config and model.remat
+
+
+def test_packing_is_refused_for_bnpo_whose_micro_batch_mean_it_would_change():
+    from mmgrpo_jax.rl.losses import LossConfig
+
+    with pytest.raises(ValueError, match=r"pack_length=512 with loss\.variant='bnpo'"):
+        dataclasses.replace(
+            config(),
+            loss=LossConfig("bnpo"),
+            memory=MemoryConfig(pack_length=512),
+            sampler=SamplerConfig(max_prompt_tokens=256, max_completion_tokens=128),
+        )
