@@ -293,14 +293,22 @@ def _rows_per_call(prompts, max_new_tokens, prefill_chunk, max_cache_tokens, mes
         return n
     slots = prompt_bucket(max(map(len, prompts)), prefill_chunk) + length_bucket(max_new_tokens)
     multiple = batch_multiple(mesh)
-    fits = [b for b in range(1, n + 1) if _padded_batch(b, multiple) * slots <= max_cache_tokens]
+    fits = rows_within_budget(n, slots, max_cache_tokens, multiple)
     if not fits:
         raise ValueError(
             f"one request needs {_padded_batch(1, multiple) * slots} cache slots (a prompt of "
             f"{max(map(len, prompts))} tokens + {max_new_tokens} new, bucketed), more than "
             f"max_cache_tokens={max_cache_tokens}: raise it or shorten the prompts"
         )
-    return max(fits)
+    return fits
+
+
+def rows_within_budget(requests: int, slots: int, max_cache_tokens: int, multiple: int = 1) -> int:
+    """The most of `requests` whose padded batch x `slots` stays within the budget; 0 if none."""
+    fits = [
+        b for b in range(1, requests + 1) if _padded_batch(b, multiple) * slots <= max_cache_tokens
+    ]
+    return max(fits, default=0)
 
 
 def _padded_batch(n: int, multiple: int) -> int:

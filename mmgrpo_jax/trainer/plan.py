@@ -31,6 +31,7 @@ from mmgrpo_jax.sampling import (
     batch_bucket,
     length_bucket,
     prompt_bucket,
+    rows_within_budget,
 )
 from mmgrpo_jax.trainer.config import MMGRPOConfig
 from models.config import ModelConfig
@@ -286,16 +287,7 @@ def _sampler_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, Any]
     new = max(length_bucket(s.max_completion_tokens), MIN_LENGTH_BUCKET)
     requests = s.batch
     if s.max_cache_tokens:  # the engine splits a larger batch: plan one call of the split
-        requests = max(
-            [
-                1,
-                *(
-                    b
-                    for b in range(1, s.batch + 1)
-                    if batch_bucket(b) * (prompt + new) <= s.max_cache_tokens
-                ),
-            ]
-        )
+        requests = max(1, rows_within_budget(s.batch, prompt + new, s.max_cache_tokens))
     batch = batch_bucket(requests)
     graphdef, state = nnx.split(abstract)
     params = SamplingParams(greedy=False, top_k=0, top_p=s.top_p, eos_token_ids=(0,))
