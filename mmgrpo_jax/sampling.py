@@ -5,7 +5,9 @@ decode step i writes slot P+i-1 for all rows at once; RoPE positions count real 
 Prefill runs the lm_head on the last position only. The decode loop is one `lax.while_loop` that
 stops when every row is done or `max_new_tokens` is reached; the cache is donated into it.
 Batch, prompt and generation lengths are bucketed (`shapes.bucket`), so a run compiles a bounded
-number of times; `max_new_tokens` and `temperature` are traced values and never recompile.
+number of times; `max_new_tokens` and `temperature` are traced values and never recompile. Every
+row samples from its own key (token i from fold_in(row key, i)), so a row's tokens do not depend
+on which other rows share its batch (DESIGN section 9).
 """
 
 from __future__ import annotations
@@ -75,12 +77,12 @@ class DecodeState:
     lengths: jax.Array  # [B]
     done: jax.Array  # [B]
     cache: KVCache
-    key: jax.Array
+    keys: jax.Array  # [B] one per row
 
 
 def _sample(
-    logits: jax.Array, key: jax.Array, temperature: jax.Array, params: SamplingParams
-) -> tuple[jax.Array, jax.Array]:  # logits [B, V] -> token [B], logprob [B]
+    logits: jax.Array, keys: jax.Array, temperature: jax.Array, params: SamplingParams
+) -> tuple[jax.Array, jax.Array]:  # logits [B, V], one key per row -> token [B], logprob [B]
     scaled = logits.astype(jnp.float32)
     if params.greedy:
         token = jnp.argmax(scaled, axis=-1)
@@ -97,7 +99,7 @@ def _sample(
             kept = jnp.where(before < params.top_p, ordered, jnp.inf)
             threshold = jnp.min(kept, axis=-1, keepdims=True)
             filtered = jnp.where(filtered < threshold, -jnp.inf, filtered)
-        token = jax.random.categorical(key, filtered, axis=-1)
+        token = jax.vmap(jax.random.categorical)(keys, filtered)
     # log-softmax at the chosen token only: the full [B, V] log-softmax is never materialised
     chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
     logprob = chosen - jax.nn.logsumexp(scaled, axis=-1)
@@ -116,7 +118,7 @@ def _prefill(
     state: nnx.State,
     tokens: jax.Array,  # [B, P]
     valid: jax.Array,  # [B, P]
-    key: jax.Array,
+    keys: jax.Array,  # [B] one per row
     temperature: jax.Array,
     slots: int,
     params: SamplingParams,
@@ -153,8 +155,15 @@ def _prefill(
         hidden, cache = model.hidden_states(tokens, positions, mask, cache, slot=0)
         last_hidden = hidden[:, -1]
     logits = model.logits(last_hidden)  # last position only: [B, V]
-    token, logprob = _sample(logits, jax.random.fold_in(key, 0), temperature, params)
+    token, logprob = _sample(logits, _fold_in(keys, 0), temperature, params)
     return token, logprob, cache, positions[:, -1] + 1
+
+
+def _fold_in(keys: jax.Array, data: jax.Array | int) -> jax.Array:
+    """Every row's key folded with its data (or all with the same: the index of the token
+    they draw)."""
+    in_axes = (0, 0 if jnp.ndim(data) else None)
+    return jax.vmap(jax.random.fold_in, in_axes=in_axes)(keys, data)
 
 
 def _cache_shardings(cache: KVCache, mesh: Mesh):
@@ -173,7 +182,7 @@ def _decode(
     cache: KVCache,
     next_position: jax.Array,  # [B] position of the first generated token
     live: jax.Array,  # [B] False for batch padding rows
-    key: jax.Array,
+    keys: jax.Array,  # [B] one per row
     temperature: jax.Array,
     max_new_tokens: jax.Array,
     params: SamplingParams,
@@ -190,7 +199,7 @@ def _decode(
         lengths=jnp.ones((batch,), jnp.int32),
         done=~live | jnp.isin(first_token, eos),
         cache=cache,
-        key=key,
+        keys=keys,
     )
 
     def cond(s: DecodeState) -> jax.Array:
@@ -204,7 +213,7 @@ def _decode(
         mask = _attend_mask(cache.valid, slot, 1)
         hidden, cache = model.hidden_states(previous[:, None], positions, mask, cache, slot=slot)
         logits = model.logits(hidden[:, 0])
-        token, logprob = _sample(logits, jax.random.fold_in(s.key, s.step), temperature, params)
+        token, logprob = _sample(logits, _fold_in(s.keys, s.step), temperature, params)
         token = jnp.where(s.done, 0, token)
         logprob = jnp.where(s.done, 0.0, logprob)
         return DecodeState(
@@ -214,7 +223,7 @@ def _decode(
             lengths=s.lengths + (~s.done).astype(jnp.int32),
             done=s.done | jnp.isin(token, eos),
             cache=cache,
-            key=s.key,
+            keys=s.keys,
         )
 
     return jax.lax.while_loop(cond, body, init)
@@ -247,16 +256,18 @@ def generate(
     top_k: int = 0,
     eos_token_ids: Sequence[int] = (),
     seed: int = 0,
+    keys: jax.Array | None = None,
     mesh: Mesh | None = None,
     prefill_chunk: int = 0,
     max_cache_tokens: int | None = None,
 ) -> list[Completion]:
     """Sample a completion for every prompt; temperature 0 is greedy. See the module doc.
 
-    `prefill_chunk` > 0 prefills prompts longer than it that many tokens at a time (the prompt
-    bucket is then a multiple of it). `max_cache_tokens` bounds padded rows x cache slots of one
-    call: a larger request batch is sampled in several calls, in order, each with its own key
-    (the first with the seed's, so a batch that fits is sampled as without the bound).
+    `keys` ([n] PRNG keys, one per prompt) are the rows' sampling keys; without them row i
+    draws from fold_in(key(seed), i). A row's sample depends on its key, prompt and settings
+    only, not on the other rows. `prefill_chunk` > 0 prefills prompts longer than it that many
+    tokens at a time (the prompt bucket is then a multiple of it). `max_cache_tokens` bounds
+    padded rows x cache slots of one call: a larger request batch is sampled in several calls.
     """
     if not prompts:
         return []
@@ -268,22 +279,45 @@ def generate(
         top_p=float(top_p),
         eos_token_ids=tuple(sorted({int(t) for t in eos_token_ids})),
     )
-    key = jax.random.key(seed)
+    if keys is None:
+        keys = row_keys(seed, len(prompts))
+    elif keys.shape != (len(prompts),):
+        raise ValueError(f"keys has shape {keys.shape}, want one key per prompt ({len(prompts)},)")
     per_call = _rows_per_call(prompts, max_new_tokens, prefill_chunk, max_cache_tokens, mesh)
     completions: list[Completion] = []
-    for part, start in enumerate(range(0, len(prompts), per_call)):
-        part_key = key if part == 0 else jax.random.fold_in(key, part)
+    for start in range(0, len(prompts), per_call):
+        part = slice(start, start + per_call)
         completions += _generate_batch(
             model,
-            prompts[start : start + per_call],
+            prompts[part],
             max_new_tokens,
             temperature,
             params,
-            part_key,
+            keys[part],
             mesh,
             prefill_chunk,
         )
     return completions
+
+
+def path_key(seed: int, path: Sequence[int]) -> jax.Array:
+    """The key of a request named by `path`, (step, example, rollout, call) in a rollout:
+    fold_in(... fold_in(key(seed), path[0]) ..., path[-1])."""
+    if seed < 0 or any(x < 0 for x in path):
+        raise ValueError(f"a key path and its seed must be >= 0, got seed {seed}, path {path}")
+    return _path_key(jnp.asarray(seed, jnp.uint32), jnp.asarray(path, jnp.uint32))
+
+
+@jax.jit
+def _path_key(seed: jax.Array, path: jax.Array) -> jax.Array:
+    return jax.lax.fori_loop(
+        0, path.shape[0], lambda i, k: jax.random.fold_in(k, path[i]), jax.random.key(seed)
+    )
+
+
+def row_keys(seed: int, n: int) -> jax.Array:
+    """[n] keys: fold_in(key(seed), i) for row i."""
+    return _fold_in(jnp.broadcast_to(jax.random.key(seed), (n,)), jnp.arange(n))
 
 
 def _rows_per_call(prompts, max_new_tokens, prefill_chunk, max_cache_tokens, mesh) -> int:
@@ -321,7 +355,7 @@ def _generate_batch(
     max_new_tokens: int,
     temperature: float,
     params: SamplingParams,
-    key: jax.Array,
+    keys: jax.Array,  # [n]
     mesh: Mesh | None,
     prefill_chunk: int,
 ) -> list[Completion]:
@@ -336,9 +370,11 @@ def _generate_batch(
         valid[i, prompt_len - len(prompt) :] = True
     valid[n:, -1] = True  # batch padding rows: one dummy token, never reported
     live = np.arange(batch) < n
+    # batch padding rows draw (and discard) from copies of the first row's key
+    keys = jnp.concatenate([keys, jnp.broadcast_to(keys[0], (batch - n,))])
     if mesh is not None:
-        tokens, valid, live = (
-            jax.device_put(a, batch_sharding(mesh, a.ndim)) for a in (tokens, valid, live)
+        tokens, valid, live, keys = (
+            jax.device_put(a, batch_sharding(mesh, a.ndim)) for a in (tokens, valid, live, keys)
         )
     temp = jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32)
     graphdef, state = nnx.split(model)
@@ -347,7 +383,7 @@ def _generate_batch(
         state,
         tokens,
         valid,
-        key,
+        keys,
         temp,
         prompt_len + new_bucket,
         params,
@@ -362,7 +398,7 @@ def _generate_batch(
         cache,
         next_position,
         jnp.asarray(live),
-        key,
+        keys,
         temp,
         jnp.asarray(max_new_tokens, jnp.int32),
         params,

@@ -204,13 +204,45 @@ def test_a_batch_over_the_cache_budget_is_split_into_independent_calls(model):
     want = generate(model, prompts, max_new_tokens=5, temperature=0)
     split = generate(model, prompts, max_new_tokens=5, temperature=0, max_cache_tokens=2 * 48)
     assert [c.token_ids for c in split] == [c.token_ids for c in want]
-    sampled = generate(
-        model, [PROMPTS[1]] * 4, max_new_tokens=8, temperature=1.0, seed=1, max_cache_tokens=96
+    # every row draws from its own key: the split samples exactly what one call would
+    sampled = generate(model, prompts, max_new_tokens=8, temperature=1.0, seed=1)
+    split = generate(
+        model, prompts, max_new_tokens=8, temperature=1.0, seed=1, max_cache_tokens=2 * 48
     )
-    # the two calls draw with different keys: the same prompt in the same row differs
-    assert (
-        sampled[0].token_ids != sampled[2].token_ids or sampled[1].token_ids != sampled[3].token_ids
-    )
+    assert [c.token_ids for c in split] == [c.token_ids for c in sampled]
+    assert len({tuple(c.token_ids) for c in sampled[:3]}) > 1  # same prompt, different keys
     too_small = r"one request needs 48 cache slots .* max_cache_tokens=40"
     with pytest.raises(ValueError, match=too_small):
         generate(model, prompts, max_new_tokens=5, max_cache_tokens=40)
+
+
+def test_a_row_samples_the_same_tokens_whatever_shares_its_batch(model):
+    """Per-request keys (DESIGN section 9): a request's sample depends on its key, not on the
+    batch it lands in, its position there, or the batch's padded size."""
+    keys = jnp.stack([sampling.path_key(7, (3, e, 1, 0)) for e in range(len(PROMPTS))])
+    together = generate(model, PROMPTS, max_new_tokens=10, temperature=1.0, keys=keys)
+    for i in (0, 3):
+        [alone] = generate(
+            model, [PROMPTS[i]], max_new_tokens=10, temperature=1.0, keys=keys[i : i + 1]
+        )
+        assert alone.token_ids == together[i].token_ids
+        np.testing.assert_allclose(alone.logprobs, together[i].logprobs, rtol=1e-5, atol=1e-5)
+    reordered = generate(model, PROMPTS[::-1], max_new_tokens=10, temperature=1.0, keys=keys[::-1])
+    assert [c.token_ids for c in reordered[::-1]] == [c.token_ids for c in together]
+    other = generate(
+        model,
+        PROMPTS,
+        max_new_tokens=10,
+        temperature=1.0,
+        keys=jnp.stack([sampling.path_key(7, (4, e, 1, 0)) for e in range(len(PROMPTS))]),
+    )
+    assert [c.token_ids for c in other] != [c.token_ids for c in together]  # another step
+
+
+def test_path_keys_are_fold_in_chains_and_refuse_bad_values(model):
+    chain = jax.random.fold_in(jax.random.fold_in(jax.random.key(5), 2), 9)
+    assert (jax.random.key_data(sampling.path_key(5, (2, 9))) == jax.random.key_data(chain)).all()
+    with pytest.raises(ValueError, match=r"seed 5, path \(2, -1\)"):
+        sampling.path_key(5, (2, -1))
+    with pytest.raises(ValueError, match=r"keys has shape \(2,\), want one key per prompt \(4,\)"):
+        generate(model, PROMPTS, max_new_tokens=2, keys=sampling.row_keys(0, 2))

@@ -46,6 +46,10 @@ class Request:
     prompt_ids: tuple[int, ...]
     sampling: Sampling
     order: tuple[int, ...] | None = None  # (example, rollout, call) inside a rollout
+    # (step, example, rollout, call) in a training rollout: the sampling key is derived from it
+    # and the engine's seed, so a sample does not depend on batch composition, timing, the
+    # number of processes or resumption; None draws from the engine's own stream
+    key_path: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass

@@ -6,8 +6,9 @@ oldest has waited `max_wait_s`, then samples one batch per distinct sampling set
 each request's future. The engine holds its own split of the model (graphdef, trainable state,
 the frozen rest): `update_weights` swaps the trainable part for a validated copy between
 dispatches, so the trainer may donate its buffers and never shares a mutable model with this
-thread. Rows of a batch are ordered by (example, rollout, call), and each sampled dispatch takes
-the next seed of a counter that `state_dict` saves, so a run is reproducible and resumable.
+thread. A request with a `key_path` samples from a key derived from (seed, *key_path); the rest
+of a sampled dispatch draws from the next seed of a counter that `state_dict` saves, so a run is
+reproducible and resumable either way. Rows of a batch are ordered by (example, rollout, call).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mmgrpo_jax.engines.base import Completion, EngineStats, Request, Sampling, check_weights
-from mmgrpo_jax.sampling import generate
+from mmgrpo_jax.sampling import generate, path_key, row_keys
 from models.decoder import Decoder
 
 
@@ -159,10 +160,22 @@ class JaxEngine:
                 taken = {id(p) for p in batch}
                 self._pending = [p for p in self._pending if id(p) not in taken]
                 seed = self._seed * 1_000_003 + self._sampled_dispatches  # fresh stream per call
-                if settings.temperature > 0:  # greedy batches draw nothing
+                unkeyed = any(p.request.key_path is None for p in batch)
+                if settings.temperature > 0 and unkeyed:  # greedy batches draw nothing
                     self._sampled_dispatches += 1
                 model = nnx.merge(self._graphdef, self._weights, self._rest)
             self._run(model, batch, settings, seed)
+
+    def _keys(self, batch: list[_Pending], stream_seed: int) -> jax.Array:
+        """One key per request: from its key path, else the dispatch's stream by position."""
+        paths = [p.request.key_path for p in batch]
+        stream = row_keys(stream_seed, len(batch))
+        return jnp.stack(
+            [
+                stream[i] if path is None else path_key(self._seed, path)
+                for i, path in enumerate(paths)
+            ]
+        )
 
     def _run(self, model: Decoder, batch: list[_Pending], settings: Sampling, seed: int) -> None:
         try:
@@ -174,7 +187,7 @@ class JaxEngine:
                 top_p=settings.top_p,
                 top_k=settings.top_k,
                 eos_token_ids=self.stop_token_ids,
-                seed=seed,
+                keys=self._keys(batch, seed),
                 mesh=self.mesh,
                 prefill_chunk=self.prefill_chunk,
                 max_cache_tokens=self.max_cache_tokens,

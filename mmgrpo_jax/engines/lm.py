@@ -85,8 +85,11 @@ class EngineLM:
                 f"{self.max_prompt_tokens}"
             )
         trace = current().trace
-        order = None if trace is None or trace.key is None else (*trace.key, len(trace.calls))
-        completion = self.engine.submit(Request(tuple(prompt), settings, order)).result()
+        call = 0 if trace is None else len(trace.calls)
+        order = None if trace is None or trace.key is None else (*trace.key, call)
+        key_path = None if trace is None or trace.key_path is None else (*trace.key_path, call)
+        request = Request(tuple(prompt), settings, order, key_path)
+        completion = self.engine.submit(request).result()
         ids = completion.token_ids
         body = ids[:-1] if completion.finish_reason == "stop" else ids
         return LMOutput(

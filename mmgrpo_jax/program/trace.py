@@ -68,9 +68,16 @@ class CallRecord:
 class Trace:
     """The calls of one trajectory; maps predictor objects to the program's dotted names."""
 
-    def __init__(self, names: dict[int, str], key: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self,
+        names: dict[int, str],
+        key: tuple[int, ...] | None = None,
+        key_path: tuple[int, ...] | None = None,
+    ) -> None:
         self._names = names
         self.key = key  # (example, rollout) in a rollout: lets a batching LM order requests
+        # (step, example, rollout) in a training rollout: its calls' sampling keys derive from it
+        self.key_path = key_path
         self._calls: list[CallRecord] = []
         self._counts: dict[str, int] = {}
         self._lock = threading.Lock()  # a program may fan calls out to its own threads
@@ -128,11 +135,14 @@ def using_lm(lm: LM) -> Iterator[None]:
 
 @contextlib.contextmanager
 def record_trace(
-    program: Any, lm: LM | None = None, key: tuple[int, ...] | None = None
+    program: Any,
+    lm: LM | None = None,
+    key: tuple[int, ...] | None = None,
+    key_path: tuple[int, ...] | None = None,
 ) -> Iterator[Trace]:
     """Record every call of `program`'s predictors made in this context into a fresh Trace."""
     names = {id(predictor): name for name, predictor in program.named_predictors()}
-    trace = Trace(names, key)
+    trace = Trace(names, key, key_path)
     outer = _CONTEXT.get()
     token = _CONTEXT.set(RunContext(trace=trace, lm=lm if lm is not None else outer.lm))
     try:

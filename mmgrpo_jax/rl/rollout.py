@@ -61,15 +61,22 @@ def run_trajectory(
     lm: LM | None = None,
     failure_score: float = 0.0,
     format_failure_score: float = -1.0,
+    key_prefix: tuple[int, ...] | None = None,
 ) -> Trajectory:
-    """Run and score one trajectory; every failure becomes a status, never an exception."""
+    """Run and score one trajectory; every failure becomes a status, never an exception.
+
+    With `key_prefix` (the training step), every call's sampling key derives from
+    (*key_prefix, example_index, rollout_index, call index) (see `Request.key_path`).
+    """
 
     def ended(status: Status, reward: float, error: str | None = None, prediction: Any = None):
         return Trajectory(
             example_index, rollout_index, trace.calls, reward, status, error, prediction
         )
 
-    with record_trace(program, lm=lm, key=(example_index, rollout_index)) as trace:
+    key = (example_index, rollout_index)
+    key_path = None if key_prefix is None else (*key_prefix, *key)
+    with record_trace(program, lm=lm, key=key, key_path=key_path) as trace:
         try:
             prediction = program(**example.inputs())
         except ParseError as err:
@@ -100,16 +107,22 @@ def run_rollouts(
     failure_score: float = 0.0,
     format_failure_score: float = -1.0,
     progress: bool = False,
+    first_example: int = 0,
+    key_prefix: tuple[int, ...] | None = None,
 ) -> list[Trajectory]:
     """G trajectories per example on a thread pool, ordered by (example, rollout).
 
     All rollouts are submitted at once so a batching LM sees many concurrent requests; by default
-    there is one worker per rollout (at most 256).
+    there is one worker per rollout (at most 256). Example i is numbered `first_example` + i
+    (a process sampling its share of a step numbers its examples as in the whole step); with
+    `key_prefix` the samples are keyed by (*key_prefix, example, rollout, call).
     """
     if num_rollouts < 1:
         raise ValueError(f"num_rollouts must be >= 1, got {num_rollouts}")
     jobs = [
-        (program, example, e, r) for e, example in enumerate(examples) for r in range(num_rollouts)
+        (program, example, first_example + e, r)
+        for e, example in enumerate(examples)
+        for r in range(num_rollouts)
     ]
     return _run_jobs(
         jobs,
@@ -119,6 +132,7 @@ def run_rollouts(
         failure_score=failure_score,
         format_failure_score=format_failure_score,
         progress=progress,
+        key_prefix=key_prefix,
     )
 
 
@@ -160,6 +174,7 @@ def _run_jobs(
     format_failure_score: float,
     progress: bool,
     on_result: Callable[[Trajectory], None] | None = None,
+    key_prefix: tuple[int, ...] | None = None,
 ) -> list[Trajectory]:
     for _, example, _, _ in jobs:
         example.inputs()  # fail here, not in a worker thread, on a row without input keys
@@ -188,6 +203,7 @@ def _run_jobs(
                 lm=lm,
                 failure_score=failure_score,
                 format_failure_score=format_failure_score,
+                key_prefix=key_prefix,
             )
         finally:
             with lock:

@@ -464,6 +464,7 @@ class MMGRPO:
             lm=lm,
             failure_score=cfg.failure_score,
             format_failure_score=cfg.format_failure_score,
+            key_prefix=(step,),  # samples keyed by (seed, step, example, rollout, call)
         )
         seconds = {"rollout": time.perf_counter() - start}
         settings = GroupingSettings(cfg.num_rollouts, cfg.align, cfg.select_k, cfg.seed + step)

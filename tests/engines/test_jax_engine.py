@@ -190,3 +190,32 @@ def test_close_fails_the_queued_requests_instead_of_sampling_them(model, tokeniz
         queued.result(timeout=5)
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit(Request((1, 2, 3), Sampling(3, temperature=0.0)))
+
+
+def test_keyed_rollouts_sample_the_same_alone_or_batched(model, tokenizer):
+    """A training rollout's samples are keyed by (seed, step, example, rollout, call): running
+    one example of a step alone (a process's share) gives its rollouts of the whole step."""
+    sampling = Sampling(max_new_tokens=6, temperature=1.0)
+    program = Predict("question -> answer")
+    examples = [Example(question=f"q{i}", answer="a").with_inputs("question") for i in range(3)]
+
+    def rollouts(chosen, first_example, step=5, **kwargs):
+        lm = make_lm(model, tokenizer, sampling=sampling, seed=11, **kwargs)
+        try:
+            out = run_rollouts(
+                program,
+                chosen,
+                lambda e, p: 1.0,
+                num_rollouts=3,
+                lm=lm,
+                first_example=first_example,
+                key_prefix=(step,),
+            )
+            return [(t.example_index, t.rollout_index, t.calls[0].completion_ids) for t in out]
+        finally:
+            lm.close()
+
+    whole = rollouts(examples, 0)
+    assert rollouts(examples[2:], 2, max_batch=2) == whole[6:]
+    assert len({ids for _, _, ids in whole[6:]}) > 1  # rollouts of one example differ
+    assert rollouts(examples, 0, step=6) != whole  # and steps do
