@@ -89,9 +89,30 @@ def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     """Place every parameter of `model` on `mesh` by the rules (in place)."""
     state = nnx.state(model)
-    placed = jax.tree.map(jax.device_put, state, state_shardings(state, mesh))
+    placed = jax.tree.map(to_global, state, state_shardings(state, mesh))
     nnx.update(model, placed)
     return model
+
+
+def to_global(x: jax.Array | np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """`x` as an array with `sharding`, on one process or several.
+
+    With several processes the mesh spans devices this process cannot address: each process
+    passes the same value (a host array, or an array on one of its devices) and supplies its
+    own devices' shards; a shard on the device `x` already lives on is `x`'s buffer, not a copy
+    (a host's frozen base weights are then held once for its engine and its training shard).
+    """
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    home = next(iter(x.devices())) if isinstance(x, jax.Array) and len(x.devices()) == 1 else None
+    whole = tuple(slice(None) for _ in x.shape)
+    shards = [
+        x if device == home and index == whole else jax.device_put(x[index], device)
+        for device, index in sharding.addressable_devices_indices_map(x.shape).items()
+    ]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

@@ -201,7 +201,12 @@ def pack_layout(
     return layout, placements
 
 
-def pack_rows(rows: Sequence[Row], micro_batch_size: int, pack_length: int | None = None) -> Batch:
+def pack_rows(
+    rows: Sequence[Row],
+    micro_batch_size: int,
+    pack_length: int | None = None,
+    row_multiple: int = 1,
+) -> Batch:
     """Right-padded micro-batches laid out by `micro_batch_layout`; unit ids renumbered.
 
     With `pack_length`, each micro-batch is instead `micro_batch_size` sequences of
@@ -209,8 +214,14 @@ def pack_rows(rows: Sequence[Row], micro_batch_size: int, pack_length: int | Non
     pass sees no row padded to the longest, attention stays within a row (segments), positions
     restart per row, and the per-row fields (loss mask, advantages, units, sampler log-probs)
     are the same arrays as without packing, so the loss and its normalisers are unchanged
-    (except bnpo's per-micro-batch token mean, which the config refuses to pack).
+    (except bnpo's per-micro-batch token mean, which the config refuses to pack). The rows axis
+    of every field is a multiple of `row_multiple` (the devices it splits over).
     """
+    if micro_batch_size % row_multiple:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} does not split over {row_multiple} devices "
+            "(data x fsdp); make it a multiple"
+        )
     if pack_length is None:
         layout, placements = micro_batch_layout(rows, micro_batch_size), None
     else:
@@ -219,6 +230,7 @@ def pack_rows(rows: Sequence[Row], micro_batch_size: int, pack_length: int | Non
     length = length_bucket(longest)
     # packed: as many row slots as the fullest micro-batch needs (bucketed), one per row
     width = micro_batch_size if placements is None else bucket(max(map(len, layout)))
+    width = -(-width // row_multiple) * row_multiple
     shape = (len(layout), width)
     tokens = np.zeros((*shape, length), np.int32)
     valid = np.zeros((*shape, length), bool)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mmgrpo_jax.rl.batch import Batch
 from mmgrpo_jax.rl.losses import LossConfig, policy_loss
@@ -173,9 +174,13 @@ def make_train_step(
     loss_cfg: LossConfig,
     temperature: float,
     logits_chunk: int = 0,
+    state_sharding: TrainState | None = None,
 ) -> TrainStep:
     """A jitted (state, frozen, batch) -> (state, metrics); the state's buffers are donated.
 
+    On a mesh, `state_sharding` (the shardings of the state passed in) is where the new state
+    stays, step after step, and the metrics come back replicated; the batch's placement decides
+    how rows split (see mmgrpo_jax.parallel).
     Gradients of the micro-batches are summed (their losses carry the whole step's normalisers)
     and applied once. With beta > 0 the reference log-probs come from `frozen.reference` when
     set, else from the same weights with LoRA off. Old log-probs are `batch.old_logps` when given
@@ -216,7 +221,6 @@ def make_train_step(
         gap_sum, gap_tokens = _sampler_gap(jax.lax.stop_gradient(logps), micro)
         return loss, {**metrics, "gap_sum": gap_sum, "gap_tokens": gap_tokens}
 
-    @functools.partial(jax.jit, donate_argnums=0)
     def step(
         state: TrainState, frozen: FrozenWeights, batch: Batch
     ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -260,7 +264,11 @@ def make_train_step(
         new_state = TrainState(trainable, opt_state, jax.random.key_data(next_key))
         return new_state, summary
 
-    return step
+    if state_sharding is None:
+        return jax.jit(step, donate_argnums=0)
+    mesh = jax.tree.leaves(state_sharding)[0].mesh
+    metrics_sharding = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(step, donate_argnums=0, out_shardings=(state_sharding, metrics_sharding))
 
 
 def _all_finite(tree: Any) -> jax.Array:

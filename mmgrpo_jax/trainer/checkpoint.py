@@ -30,6 +30,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from mmgrpo_jax.errors import UserError
+from mmgrpo_jax.parallel import local_copy
 from mmgrpo_jax.rl.step import TrainState
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ def array_records(trees: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for name, tree in trees.items():
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             key = name + jax.tree_util.keystr(path)
-            array = np.asarray(jax.device_get(leaf))  # (ascontiguousarray makes 0-d arrays 1-d)
+            # np.asarray: np.ascontiguousarray would make 0-d arrays 1-d
+            array = np.asarray(jax.device_get(local_copy(leaf)))
             floating = np.issubdtype(array.dtype, np.inexact) or array.dtype.kind == "V"  # bf16
             if floating and not np.all(np.isfinite(array.astype(np.float32))):
                 raise ValueError(f"refusing to checkpoint a non-finite array: {key}")

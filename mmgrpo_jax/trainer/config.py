@@ -1,7 +1,8 @@
 """mmGRPO's configuration: one frozen dataclass per concern, validated where it is built.
 
 `MMGRPOConfig` holds the run (grouping, rollouts, steps, cadence, paths) and one section per
-concern: `loss` (rl.losses.LossConfig), `optim`, `sampler`, `memory`, `lora`. YAML files and
+concern: `loss` (rl.losses.LossConfig), `optim`, `sampler`, `memory`, `parallel`,
+`distributed`, `lora`. YAML files and
 `key=value` overrides address sections with dotted keys (`sampler.temperature=0.7`).
 """
 
@@ -136,6 +137,70 @@ class MemoryConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """The device mesh (DESIGN section 9): training rows and sampler requests split over
+    data x fsdp, parameters by the partition rules of models.sharding, heads over tensor."""
+
+    data: int | None = None  # null: every device the fsdp and tensor axes leave
+    fsdp: int = 1
+    tensor: int = 1
+    devices: int | None = None  # one process: run on its first N devices only; null: all
+
+    def __post_init__(self) -> None:
+        for name in ("fsdp", "tensor"):
+            if getattr(self, name) < 1:
+                raise _bad(self, name, "must be >= 1")
+        for name in ("data", "devices"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise _bad(self, name, "must be >= 1 or null (all devices)")
+
+    def mesh_shape(self, devices: int) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) over `devices` devices; refused if they do not multiply out."""
+        inner = self.fsdp * self.tensor
+        data = devices // inner if self.data is None else self.data
+        if data < 1 or data * inner != devices:
+            raise ValueError(
+                f"ParallelConfig data={self.data} x fsdp={self.fsdp} x tensor={self.tensor} does "
+                f"not cover the {devices} devices; choose sizes whose product is {devices}"
+            )
+        return data, self.fsdp, self.tensor
+
+    @property
+    def row_shards(self) -> int | None:
+        """Into how many parts a batch of rows splits (data x fsdp), if known before the mesh."""
+        return None if self.data is None else self.data * self.fsdp
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Several processes (hosts) as one JAX runtime (`jax.distributed.initialize`); empty = one
+    process. Every process runs the same command with its own process_id."""
+
+    coordinator_address: str | None = None  # host:port of process 0
+    num_processes: int = 1
+    process_id: int = 0
+    # seconds without a heartbeat after which the runtime declares a process dead and the
+    # others exit with an error (instead of waiting in a collective for ever)
+    heartbeat_timeout_s: int = 100
+    initialization_timeout_s: int = 300
+
+    def __post_init__(self) -> None:
+        if self.num_processes < 1:
+            raise _bad(self, "num_processes", "must be >= 1")
+        if not 0 <= self.process_id < self.num_processes:
+            raise _bad(self, "process_id", f"must be in [0, num_processes={self.num_processes})")
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise _bad(self, "coordinator_address", "must be host:port when num_processes > 1")
+        for name in ("heartbeat_timeout_s", "initialization_timeout_s"):
+            if getattr(self, name) < 1:
+                raise _bad(self, name, "must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_processes > 1
+
+
+@dataclasses.dataclass(frozen=True)
 class MMGRPOConfig:
     grouping: str = "module"  # a registered grouping rule: "module", "trajectory", or yours
     align: str = "truncate"
@@ -149,6 +214,8 @@ class MMGRPOConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     mask_truncated_completions: bool = False
     failure_score: float = 0.0
     format_failure_score: float = -1.0
@@ -216,6 +283,12 @@ class MMGRPOConfig:
                 f"MMGRPOConfig.memory.pack_length={pack} with loss.variant="
                 f"{self.loss.variant!r}: its per-micro-batch token mean depends on which rows "
                 "share a micro-batch, which packing changes; set pack_length=0"
+            )
+        shards = self.parallel.row_shards
+        if shards is not None and self.optim.micro_batch_size % shards:
+            raise ValueError(
+                f"MMGRPOConfig.optim.micro_batch_size={self.optim.micro_batch_size} does not split "
+                f"over parallel.data x fsdp = {shards} devices; make it a multiple of {shards}"
             )
         length = self.loss.max_completion_length
         if length is not None and length != self.sampler.max_completion_tokens:

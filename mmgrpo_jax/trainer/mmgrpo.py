@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from mmgrpo_jax import parallel
 from mmgrpo_jax.engines.base import RolloutEngine, Sampling
 from mmgrpo_jax.engines.jax_engine import JaxEngine
 from mmgrpo_jax.engines.lm import EngineLM
@@ -63,6 +64,7 @@ from mmgrpo_jax.trainer.run_log import RunLogger
 from models.decoder import Decoder
 from models.export import save_peft_adapter
 from models.hf import load_checkpoint
+from models.sharding import shard_model, state_shardings, to_global
 from models.tokenizer import HFTokenizer
 
 __all__ = [
@@ -114,12 +116,17 @@ def examples_for_step(num_examples: int, per_step: int, step: int, seed: int) ->
 
 
 def default_engine(
-    model: Decoder, stop_token_ids: Sequence[int], config: MMGRPOConfig
+    model: Decoder,
+    stop_token_ids: Sequence[int],
+    config: MMGRPOConfig,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> JaxEngine:
     """The JaxEngine a run samples through unless given another: the config's sampler batch,
-    wait and seed, receiving the trainable part of the model."""
+    wait and seed, receiving the trainable part of the model; requests split over the mesh's
+    data x fsdp devices when given one."""
     return JaxEngine(
         model,
+        mesh=mesh,
         stop_token_ids=stop_token_ids,
         trainable=config.trainable,
         max_batch=config.sampler.batch,
@@ -138,10 +145,14 @@ def check_run_dir(config: MMGRPOConfig) -> None:
 
 
 def evaluate(program: Module, examples: Sequence[Example], metric: Metric, lm: LM) -> float:
-    """Mean greedy reward; failures score 0 here so that a broken format is not rewarded."""
+    """Mean greedy reward; failures score 0 here so that a broken format is not rewarded. With
+    several processes each scores its share and all get the mean (every process must call)."""
     if not examples:
         return float("nan")
-    return float(np.mean([t.reward for t in score_examples(program, examples, metric, lm=lm)]))
+    mine = parallel.share(examples)
+    scored = score_examples(program, examples[mine.start : mine.stop], metric, lm=lm)
+    rewards = parallel.gather_objects([t.reward for t in scored])
+    return float(np.mean([r for share in rewards for r in share]))
 
 
 def step_metrics(
@@ -239,7 +250,7 @@ def _give_back(model: Decoder, state: TrainState) -> None:
             "had consumed the train state"
         )
         return
-    nnx.update(model, state.trainable)
+    nnx.update(model, parallel.local_copy(state.trainable))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +335,7 @@ class MMGRPO:
         stop_token_ids: Sequence[int] | None = None,
         engine: RolloutEngine | EngineFactory | None = None,
     ) -> None:
+        parallel.initialize(config.distributed)  # before any device is touched
         if model is None:
             model, tokenizer, stop_token_ids = load_policy(config)
         elif tokenizer is None or stop_token_ids is None:
@@ -333,6 +345,20 @@ class MMGRPO:
         # static parts of the model's graph: the train step, the log-prob pass and the default
         # engine (split in compile) run with them; an engine passed in was split before
         apply_memory_settings(model, config)
+        self.mesh = parallel.run_mesh(config.parallel)
+        shards = parallel.row_shards(self.mesh)
+        if config.optim.micro_batch_size % shards:
+            raise UserError(
+                f"MMGRPOConfig.optim.micro_batch_size={config.optim.micro_batch_size} does not "
+                f"split over the mesh's data x fsdp = {shards} devices; make it a multiple of "
+                f"{shards} or set parallel.data"
+            )
+        # One process: the model itself goes onto the mesh (the engine samples on it). Several:
+        # the model stays on this process's devices for its engine, and training gets a copy
+        # on the global mesh (sharing this process's first device's buffers).
+        self._local_engine = jax.process_count() > 1
+        if not self._local_engine:
+            shard_model(model, self.mesh)
         self.metric, self.config, self.model, self.tokenizer = metric, config, model, tokenizer
         self.stop_token_ids = tuple(stop_token_ids)
         self.engine, self._engine_factory = _engine_or_factory(engine)
@@ -349,7 +375,8 @@ class MMGRPO:
         self._check_data(cfg, trainset, valset)
         with ExitStack() as closing:
             stop = closing.enter_context(StopSignals())
-            closing.enter_context(RunLock(self.run_dir))  # before the checkpoints: one writer
+            if parallel.is_main_process():  # before the checkpoints: one writer
+                closing.enter_context(RunLock(self.run_dir))
             checkpoints = Checkpointer(self.run_dir, resume=cfg.resume)
             closing.callback(checkpoints.close)
             learner = self._learner()
@@ -365,6 +392,7 @@ class MMGRPO:
                 self.run_dir,
                 resumed_step=None if restored is None else done,
                 elapsed=0.0 if restored is None else restored.meta.get("wall_seconds", 0.0),
+                writes=parallel.is_main_process(),
             )
             # a checkpoint holds the state after the last *completed* step, the engine's included
             # (an interrupted step has already drawn from its sampling counter)
@@ -410,7 +438,7 @@ class MMGRPO:
             stop.hold()
             save()
             _give_back(self.model, learner.state)
-            if cfg.train == "lora":
+            if cfg.train == "lora" and parallel.is_main_process():
                 save_peft_adapter(self.model, self.run_dir / "adapter")
             self.summary = self.log.close({"steps": cfg.num_steps, "grouping": cfg.grouping})
         return program
@@ -456,17 +484,21 @@ class MMGRPO:
             trainset[i]
             for i in examples_for_step(len(trainset), cfg.examples_per_step, step, cfg.seed)
         ]
+        mine = parallel.share(chosen)  # this process's examples of the step (all, alone)
         trajectories = run_rollouts(
             program,
-            chosen,
+            chosen[mine.start : mine.stop],
             self.metric,
             num_rollouts=cfg.num_rollouts,
             lm=lm,
             failure_score=cfg.failure_score,
             format_failure_score=cfg.format_failure_score,
+            first_example=mine.start,
             key_prefix=(step,),  # samples keyed by (seed, step, example, rollout, call)
         )
         seconds = {"rollout": time.perf_counter() - start}
+        # every process groups and trains on the whole step's trajectories
+        trajectories = [t for share in parallel.gather_objects(trajectories) for t in share]
         settings = GroupingSettings(cfg.num_rollouts, cfg.align, cfg.select_k, cfg.seed + step)
         groups = rule.group(trajectories, settings)
         advantages = advantages_for_groups(groups, cfg.advantage_scale)
@@ -489,10 +521,13 @@ class MMGRPO:
         if rollouts.rows:
             start = time.perf_counter()
             pack_length = cfg.memory.pack_length or None
-            batch = pack_rows(rollouts.rows, cfg.optim.micro_batch_size, pack_length)
-            update = self._update(learner, batch, guard, step)
-            update["padding_fraction"] = batch.padding_fraction
-            lm.engine.update_weights(learner.state.trainable)  # the next rollouts use the update
+            shards = parallel.row_shards(self.mesh)
+            batch = pack_rows(rollouts.rows, cfg.optim.micro_batch_size, pack_length, shards)
+            padding = batch.padding_fraction
+            update = self._update(learner, parallel.place_batch(batch, self.mesh), guard, step)
+            update["padding_fraction"] = padding
+            # the next rollouts use the update (each process's engine holds local arrays)
+            lm.engine.update_weights(parallel.local_copy(learner.state.trainable))
             seconds["train"] = time.perf_counter() - start
         else:
             logger.warning("step %d produced no training rows; skipping the update", step + 1)
@@ -550,11 +585,32 @@ class MMGRPO:
         # "full" training has no LoRA-off base to measure KL against: a frozen copy of the start
         frozen_reference = cfg.train == "full" and cfg.loss.beta > 0
         graphdef, state, frozen = split_for_training(
-            self.model, optimizer, self.trainable, seed=cfg.seed, frozen_reference=frozen_reference
+            self._training_model(),
+            optimizer,
+            self.trainable,
+            seed=cfg.seed,
+            frozen_reference=frozen_reference,
         )
+        # counters and keys replicated; everything else is already placed by the rules
+        state, frozen = parallel.place_replicated((state, frozen), self.mesh)
         temperature, chunk = cfg.sampler.temperature, cfg.memory.logits_chunk
-        step_fn = make_train_step(graphdef, optimizer, cfg.resolved_loss, temperature, chunk)
+        step_fn = make_train_step(
+            graphdef,
+            optimizer,
+            cfg.resolved_loss,
+            temperature,
+            chunk,
+            state_sharding=parallel.shardings_of(state),
+        )
         return _Learner(state, frozen, step_fn, make_logprob_fn(graphdef, temperature, chunk))
+
+    def _training_model(self) -> Decoder:
+        """The model on the run's mesh: itself with one process, a placed copy with several."""
+        if not self._local_engine:
+            return self.model
+        graphdef, state = nnx.split(self.model)
+        placed = jax.tree.map(to_global, state, state_shardings(state, self.mesh))
+        return nnx.merge(graphdef, placed)
 
     def _open_engine(self, closing: ExitStack) -> RolloutEngine:
         if self.engine is not None:
@@ -562,7 +618,8 @@ class MMGRPO:
         if self._engine_factory is not None:
             engine = self._engine_factory(self.model)
         else:
-            engine = default_engine(self.model, self.stop_token_ids, self.config)
+            mesh = None if self._local_engine else self.mesh
+            engine = default_engine(self.model, self.stop_token_ids, self.config, mesh)
         closing.callback(engine.close)
         return engine
 
@@ -608,7 +665,7 @@ class MMGRPO:
         learner.frozen = dataclasses.replace(learner.frozen, reference=restored.reference)
         program.load_state(restored.meta["program"])
         engine.load_state_dict(restored.meta["engine"])
-        engine.update_weights(learner.state.trainable)
+        engine.update_weights(parallel.local_copy(learner.state.trainable))
         return restored
 
     def _check_resumable(self, meta: dict[str, Any]) -> None:

@@ -34,7 +34,9 @@ def _read_rows(path: Path) -> list[dict[str, float]]:
 
 class RunLogger:
     """`resumed_step`: the step of the checkpoint a resumed run starts from (None: a fresh run,
-    which starts the log anew); `elapsed`: the wall seconds the run had spent before it."""
+    which starts the log anew); `elapsed`: the wall seconds the run had spent before it;
+    `writes=False` (every process of a multi-process run but the first) keeps the history in
+    memory only."""
 
     def __init__(
         self,
@@ -43,19 +45,23 @@ class RunLogger:
         *,
         resumed_step: int | None = None,
         elapsed: float = 0.0,
+        writes: bool = True,
     ) -> None:
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.writes = writes
+        if writes:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.history: list[dict[str, float]] = []
         if resumed_step is not None and self.metrics_path.is_file():
             rows = _read_rows(self.metrics_path)
             # rows logged at x <= the checkpoint's step describe state it holds
             self.history = [r for r in rows if r.get("step", 0) <= resumed_step]
-        self._rewrite()
+        if writes:
+            self._rewrite()
         self.started = time.perf_counter() - elapsed
         self._writer = None
-        if tensorboard:
+        if tensorboard and writes:
             try:
                 from tensorboardX import SummaryWriter
             except ImportError:
@@ -82,6 +88,8 @@ class RunLogger:
     def log(self, record: Mapping[str, float]) -> None:
         record = {k: float(v) for k, v in record.items()}
         self.history.append(record)
+        if not self.writes:
+            return
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self._writer is not None:
@@ -100,6 +108,8 @@ class RunLogger:
             "wall_seconds": self.elapsed,
             **summary,
         }
+        if not self.writes:
+            return full
         # atomic: summary.json is how a sweep (or a resume) knows the run finished
         write_atomic(self.run_dir / "summary.json", json.dumps(full, indent=2))
         self._plot()

@@ -1,0 +1,159 @@
+"""A run's devices and processes: the mesh from the config, and what crosses process boundaries.
+
+DESIGN section 9. One (data, fsdp, tensor) mesh over every device of every process; training
+rows split over data x fsdp, parameters by models.sharding's rules. Several processes are one
+JAX runtime (`jax.distributed`): each samples its share of a step's examples with an engine on
+its own devices, the step's trajectories are gathered to every process (so every process builds
+the same batch and the update is one global step), and the trained parameters come back to each
+process's engine as local arrays. Nothing here is a transport of its own: the gathers are JAX
+collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mmgrpo_jax.rl.batch import Batch
+from mmgrpo_jax.trainer.config import DistributedConfig, ParallelConfig
+from models.sharding import BATCH, make_mesh, to_global
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def initialize(config: DistributedConfig) -> None:
+    """Join the runtime of `config.num_processes` processes (nothing for one process). Must run
+    before anything touches a device; a process that dies stops the others within the heartbeat
+    timeout, with an error, instead of leaving them in a collective."""
+    if not config.enabled:
+        return
+    if jax.distributed.is_initialized():
+        return
+    # CPU devices of different processes talk through gloo (accelerators use their own)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=config.coordinator_address,
+        num_processes=config.num_processes,
+        process_id=config.process_id,
+        initialization_timeout=config.initialization_timeout_s,
+        heartbeat_timeout_seconds=config.heartbeat_timeout_s,
+    )
+    logger.info(
+        "process %d of %d joined %s: %d local, %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        config.coordinator_address,
+        jax.local_device_count(),
+        jax.device_count(),
+    )
+
+
+def run_mesh(config: ParallelConfig) -> Mesh:
+    """The run's mesh over every device of every process (device order: process by process),
+    or over the first `config.devices` of a single process."""
+    devices = jax.devices()
+    if config.devices is not None:
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"ParallelConfig.devices={config.devices} selects devices of one process; a run "
+                f"of {jax.process_count()} processes uses all of theirs (leave it null)"
+            )
+        if config.devices > len(devices):
+            raise ValueError(
+                f"ParallelConfig.devices={config.devices}, but this host has {len(devices)}"
+            )
+        devices = devices[: config.devices]
+    return make_mesh(config.mesh_shape(len(devices)), devices)
+
+
+def row_shards(mesh: Mesh) -> int:
+    """Into how many parts a batch of rows splits: data x fsdp."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def place_batch(batch: Batch, mesh: Mesh) -> Batch:
+    """A step's batch on the mesh: every [M, rows, ...] field split over data x fsdp along its
+    rows, the [M] normalisers replicated. Every process passes the same (whole) batch."""
+
+    def place(x: Any) -> jax.Array:
+        spec = P(None, BATCH) if np.ndim(x) >= 2 else P()
+        return to_global(np.asarray(x), NamedSharding(mesh, spec))
+
+    return jax.tree.map(place, batch)
+
+
+def place_replicated(tree: T, mesh: Mesh) -> T:
+    """Every leaf that is not already on `mesh` (optimizer counters, keys) replicated onto it;
+    leaves placed by the partition rules stay as they are."""
+
+    def place(x: Any) -> Any:
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+            return x
+        return to_global(x, replicated(mesh))
+
+    return jax.tree.map(place, tree)
+
+
+def shardings_of(tree: T) -> T:
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def local_copy(tree: T) -> T:
+    """Arrays this process holds whole: a global array's local replica, or (split over several
+    processes) its gathered value. A collective when any leaf is split across processes: every
+    process must call it, in the same order."""
+
+    def local(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return x
+        if x.sharding.is_fully_replicated:
+            return x.addressable_data(0)
+        return jnp.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(local, tree)
+
+
+def share(items: Sequence[T], process: int | None = None, count: int | None = None) -> range:
+    """The indices of `items` that process `process` of `count` takes: a contiguous block,
+    the first processes taking one more when they do not divide evenly."""
+    process = jax.process_index() if process is None else process
+    count = jax.process_count() if count is None else count
+    size, extra = divmod(len(items), count)
+    start = process * size + min(process, extra)
+    return range(start, start + size + (process < extra))
+
+
+def gather_objects(local: T) -> list[T]:
+    """Every process's `local` (picklable), in process order; a collective."""
+    if jax.process_count() == 1:
+        return [local]
+    data = np.frombuffer(pickle.dumps(local), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([data.size], np.int64))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    everyone = multihost_utils.process_allgather(padded)
+    return [
+        pickle.loads(everyone[i, : int(n)].tobytes())  # the run's own processes' bytes
+        for i, n in enumerate(sizes.reshape(-1))
+    ]
+
+
+def is_main_process() -> bool:
+    """Process 0 writes the logs, checkpoint metadata and the adapter."""
+    return jax.process_index() == 0

@@ -1,0 +1,115 @@
+"""The mesh from the config (DESIGN section 9): sharded training equals one device."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from mmgrpo_jax import parallel
+from mmgrpo_jax.rl.batch import Row, pack_rows
+from mmgrpo_jax.rl.losses import LossConfig
+from mmgrpo_jax.testing import tiny_decoder
+from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, ParallelConfig, SamplerConfig
+from models.lora import LoRAConfig
+from models.tokenizer import train_bpe_tokenizer
+from tests.trainer.conftest import CORPUS
+from tests.trainer.test_mmgrpo import run
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_bpe_tokenizer(CORPUS, 300, "chatml")
+
+
+MESHES = {
+    "one_device": ParallelConfig(data=1, devices=1),
+    "data8": ParallelConfig(),  # the default: every device on data
+    "data2_fsdp2_tensor2": ParallelConfig(data=2, fsdp=2, tensor=2),
+}
+
+
+def losses(tokenizer, tmp_path, name, train, grouping):
+    lora = LoRAConfig(rank=2, alpha=4.0) if train == "lora" else None
+    model = tiny_decoder(len(tokenizer), hidden_size=64, lora=lora, seed=1)
+    cfg = MMGRPOConfig(
+        grouping=grouping,
+        train=train,
+        num_rollouts=3,
+        examples_per_step=2,
+        num_steps=3,
+        sampler=SamplerConfig(max_completion_tokens=4, max_wait_s=10.0),
+        # full training at the default rate: at 1e-3 the first step still agrees to 1e-7 but
+        # Adam turns reduction-order noise into full-size steps (grad_norm of step 3 then
+        # differs by 2e-4 between one device and eight)
+        optim=OptimConfig(lr=5e-2 if train == "lora" else 1e-5, micro_batch_size=8),
+        loss=LossConfig("grpo", beta=0.04),
+        parallel=MESHES[name],
+        eval_every=100,
+        checkpoint_every=100,
+        run_dir=str(tmp_path / name),
+        progress=False,
+    )
+    run(tokenizer, cfg, model)
+    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+    steps = [r for r in rows if "loss" in r]
+    return {k: [r[k] for r in steps] for k in ("loss", "grad_norm", "reward_mean", "kl_mean")}
+
+
+@pytest.mark.parametrize(
+    ("train", "grouping"),
+    [("lora", "module"), ("full", "trajectory")],
+    ids=["lora_module", "full_trajectory"],
+)
+def test_sharded_training_matches_one_device(tokenizer, tmp_path, train, grouping):
+    want = losses(tokenizer, tmp_path, "one_device", train, grouping)
+    assert len(want["loss"]) == 3 and max(map(abs, want["loss"])) > 0
+    for name in ("data8", "data2_fsdp2_tensor2"):
+        got = losses(tokenizer, tmp_path, name, train, grouping)
+        assert got["reward_mean"] == want["reward_mean"], name  # the same samples
+        for key in ("loss", "grad_norm", "kl_mean"):
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("train", "grouping"),
+    [("lora", "trajectory"), ("full", "module")],
+    ids=["lora_trajectory", "full_module"],
+)
+def test_sharded_training_matches_one_device_other_pairs(tokenizer, tmp_path, train, grouping):
+    test_sharded_training_matches_one_device(tokenizer, tmp_path, train, grouping)
+
+
+def test_the_mesh_follows_the_config():
+    assert parallel.run_mesh(ParallelConfig()).shape == {"data": 8, "fsdp": 1, "tensor": 1}
+    mesh = parallel.run_mesh(ParallelConfig(data=None, fsdp=2, tensor=2))
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert parallel.row_shards(mesh) == 4
+    assert parallel.run_mesh(ParallelConfig(devices=2)).devices.size == 2
+    with pytest.raises(ValueError, match=r"data=3 x fsdp=1 x tensor=1 does not cover the 8"):
+        parallel.run_mesh(ParallelConfig(data=3))
+    with pytest.raises(ValueError, match=r"devices=16, but this host has 8"):
+        parallel.run_mesh(ParallelConfig(devices=16))
+    with pytest.raises(ValueError, match=r"micro_batch_size=6 does not split over .* = 4"):
+        MMGRPOConfig(optim=OptimConfig(micro_batch_size=6), parallel=ParallelConfig(data=2, fsdp=2))
+
+
+def test_a_batch_splits_its_rows_over_data_and_fsdp():
+    rows = [Row((1, 2, 3), (4, 5), advantage=1.0, unit=k) for k in range(3)]
+    mesh = parallel.run_mesh(ParallelConfig(data=2, fsdp=2, tensor=2))
+    packed = pack_rows(rows, micro_batch_size=4, pack_length=16, row_multiple=4)
+    assert packed.advantages.shape[1] % 4 == 0
+    placed = parallel.place_batch(packed, mesh)
+    assert placed.tokens.sharding.spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"))
+    assert placed.num_tokens.sharding.is_fully_replicated
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(placed), jax.device_get(packed))
+    with pytest.raises(ValueError, match=r"micro_batch_size=6 does not split over 4 devices"):
+        pack_rows(rows, micro_batch_size=6, row_multiple=4)
+
+
+def test_shares_cover_every_example_once():
+    items = list(range(7))
+    shares = [parallel.share(items, p, 3) for p in range(3)]
+    assert [list(s) for s in shares] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert parallel.gather_objects({"a": 1}) == [{"a": 1}]
