@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 from transformers import PreTrainedTokenizerFast
 
+from mmgrpo_jax import parallel
 from mmgrpo_jax.engines.base import Sampling
 from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.errors import UserError
@@ -37,8 +38,10 @@ from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.rl.rollout import quiet_failure_warnings
 from mmgrpo_jax.testing import word_policy, word_prompt_model
 from mmgrpo_jax.trainer.config import (
+    DistributedConfig,
     MMGRPOConfig,
     OptimConfig,
+    ParallelConfig,
     SamplerConfig,
     changed_keys,
     describe_changes,
@@ -83,6 +86,9 @@ class DemoConfig:
     run_dir: str | None = None  # default: a new runs/demo-<time>-<suffix>
     resume: bool = False  # continue the run in run_dir from its newest checkpoint
     progress: bool = True
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    # several processes: each runs the same command with its process_id and the same run_dir
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         """Every value is checked here, before a model is built: the trainer's own checks run
@@ -108,6 +114,10 @@ class DemoConfig:
                 raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.resume and self.run_dir is None:
             raise ValueError("DemoConfig.resume=true needs the run_dir of the run to continue")
+        if self.distributed.enabled and self.run_dir is None:
+            raise ValueError(
+                "DemoConfig.distributed: the processes of one run share a run_dir; set run_dir"
+            )
         examples = len(testbed(self.testbed).trainset())
         if self.examples_per_step > examples:
             raise ValueError(
@@ -152,6 +162,8 @@ def mmgrpo_config(config: DemoConfig, run_dir: str | Path) -> MMGRPOConfig:
         # one word: the bare predictors' whole reply
         sampler=SamplerConfig(max_completion_tokens=1, batch=128, max_wait_s=1.0),
         progress=config.progress,
+        parallel=config.parallel,
+        distributed=config.distributed,
     )
 
 
@@ -169,6 +181,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     if config.method != "mmgrpo":
         return run_method(config, run_dir)
     settings = mmgrpo_config(config, run_dir)
+    parallel.initialize(settings.distributed)  # before anything touches a device
     check_run_dir(settings)  # before the model is built
     model, tokenizer = tiny_policy(config)
     bed = testbed(config.testbed)

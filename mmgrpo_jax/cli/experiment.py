@@ -21,6 +21,7 @@ from typing import Any, Literal, TextIO
 
 import jax.numpy as jnp
 
+from mmgrpo_jax import parallel
 from mmgrpo_jax.cli.config import config_to_dict
 from mmgrpo_jax.engines.base import Sampling
 from mmgrpo_jax.engines.lm import EngineLM
@@ -206,6 +207,7 @@ def preflight(cfg: ExperimentConfig) -> None:
     """What a training command would refuse, checked before the model is read: the size of the
     trainset against examples_per_step, the run directory, and whether the run fits the device
     (trainer.plan.check_fits)."""
+    parallel.initialize(cfg.mmgrpo.distributed)  # before anything touches a device
     trainset = _first(load_splits(cfg.task).train, cfg.train_limit)
     if cfg.mmgrpo.examples_per_step > len(trainset):
         raise UserError(
@@ -226,7 +228,8 @@ def run_train(cfg: ExperimentConfig) -> dict[str, Any]:
     finally:
         policy.close()
     run_dir = Path(cfg.mmgrpo.run_dir)
-    _save_run(cfg, run_dir, program)
+    if parallel.is_main_process():
+        _save_run(cfg, run_dir, program)
     return {**(optimizer.summary or {}), "run_dir": str(run_dir)}
 
 

@@ -139,7 +139,10 @@ def default_engine(
 
 def check_run_dir(config: MMGRPOConfig) -> None:
     """What `compile` would refuse about config.run_dir (another run holds it; a fresh run
-    into another run's checkpoints), checked before a model is loaded."""
+    into another run's checkpoints), checked before a model is loaded (by process 0: the
+    others share its run_dir)."""
+    if not parallel.is_main_process():
+        return
     with RunLock(config.run_dir):
         refuse_foreign_checkpoints(config.run_dir, config.resume)
 
