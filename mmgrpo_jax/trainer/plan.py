@@ -291,7 +291,7 @@ def _sampler_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, Any]
     batch = batch_bucket(requests)
     graphdef, state = nnx.split(abstract)
     params = SamplingParams(greedy=False, top_k=0, top_p=s.top_p, eos_token_ids=(0,))
-    key = jax.eval_shape(lambda: jax.random.key(0))
+    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))  # one per row
     scalar = _spec((), jnp.float32)
     rows_i32, rows_f32 = _spec((batch,), jnp.int32), _spec((batch,), jnp.float32)
     prefill = _prefill.lower(
@@ -299,7 +299,7 @@ def _sampler_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, Any]
         state,
         _spec((batch, prompt), jnp.int32),
         _spec((batch, prompt), jnp.bool_),
-        key,
+        keys,
         scalar,
         prompt + new,
         params,
@@ -315,7 +315,7 @@ def _sampler_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, Any]
         cache,
         rows_i32,
         _spec((batch,), jnp.bool_),
-        key,
+        keys,
         scalar,
         _spec((), jnp.int32),
         params,
