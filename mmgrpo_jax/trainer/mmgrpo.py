@@ -50,9 +50,11 @@ from mmgrpo_jax.rl.step import (
 from mmgrpo_jax.rl.types import Metric, Trajectory
 from mmgrpo_jax.trainer.checkpoint import Checkpointer, Restored, refuse_foreign_checkpoints
 from mmgrpo_jax.trainer.config import (
+    DistributedConfig,
     MemoryConfig,
     MMGRPOConfig,
     OptimConfig,
+    ParallelConfig,
     SamplerConfig,
     changed_keys,
     describe_changes,
@@ -212,6 +214,10 @@ RESUMABLE_FIELDS = frozenset(
         "sampler.max_wait_s",
         # how much is recomputed, not what: a run that ran out of memory resumes with more remat
         *(f"memory.{f.name}" for f in dataclasses.fields(MemoryConfig)),
+        # where it runs: samples are keyed per request, so neither the mesh nor the number of
+        # processes changes them
+        *(f"parallel.{f.name}" for f in dataclasses.fields(ParallelConfig)),
+        *(f"distributed.{f.name}" for f in dataclasses.fields(DistributedConfig)),
     }
 )
 

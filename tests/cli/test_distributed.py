@@ -51,24 +51,32 @@ def steps(run_dir) -> list[dict]:
     return [r for r in rows if "loss" in r]
 
 
-def test_two_processes_train_like_one_and_resume_on_both(tmp_path):
-    """6 steps of 1 process x 8 devices against 3 steps of 2 x 4, stopped and resumed (every
-    process restores the checkpoint) to 6: the same rewards at every step (the same samples:
-    per-request keys) and losses within 1e-4."""
+def test_two_processes_train_like_one(tmp_path):
+    """6 steps of 1 process x 8 devices against 2 x 4: the same rewards at every step (the same
+    samples: per-request keys) and losses within 1e-4."""
     logs = [tmp_path / f"log{i}.txt" for i in range(3)]
-    one = demo(tmp_path / "one", devices=8, log=logs[2])
-    first = two_processes(tmp_path / "two", "num_steps=3", logs=logs[:2])
-    finish(first, logs[:2])
-    assert [r["step"] for r in steps(tmp_path / "two")] == [1.0, 2.0, 3.0]
-    assert (tmp_path / "two" / "checkpoints" / "3").is_dir()
-    second = two_processes(tmp_path / "two", "resume=true", logs=logs[:2])
-    finish([*second, one], logs)
+    runs = [demo(tmp_path / "one", devices=8, log=logs[2])]
+    runs += two_processes(tmp_path / "two", logs=logs[:2])
+    finish(runs, [logs[2], *logs[:2]])
     want, got = steps(tmp_path / "one"), steps(tmp_path / "two")
     assert [r["step"] for r in got] == [float(s) for s in range(1, 7)]
     assert [r["reward_mean"] for r in got] == [r["reward_mean"] for r in want]
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], atol=1e-4)
     assert max(abs(r["loss"]) for r in want) > 0
-    assert not (tmp_path / "two" / "metrics.jsonl.tmp").exists()
+    assert (tmp_path / "two" / "adapter").exists() is False  # full training: no adapter
+    assert (tmp_path / "two" / "summary.json").is_file()
+
+
+@pytest.mark.slow
+def test_every_process_restores_the_checkpoint(tmp_path):
+    """3 steps as 2 processes, then resumed to 6 (num_steps grows, as a user extends a run):
+    both processes restore step 3 and the run ends at 6 with one log of every step."""
+    logs = [tmp_path / f"log{i}.txt" for i in range(2)]
+    finish(two_processes(tmp_path / "run", "num_steps=3", logs=logs), logs)
+    assert (tmp_path / "run" / "checkpoints" / "3").is_dir()
+    finish(two_processes(tmp_path / "run", "resume=true", logs=logs), logs)
+    assert [r["step"] for r in steps(tmp_path / "run")] == [float(s) for s in range(1, 7)]
+    assert (tmp_path / "run" / "checkpoints" / "6").is_dir()
 
 
 def test_a_process_that_dies_stops_the_other_with_an_error(tmp_path):
