@@ -118,6 +118,10 @@ class DemoConfig:
             raise ValueError(
                 "DemoConfig.distributed: the processes of one run share a run_dir; set run_dir"
             )
+        if self.distributed.enabled and self.method != "mmgrpo":
+            raise ValueError(
+                f"DemoConfig.distributed runs method='mmgrpo' only, got method={self.method!r}"
+            )
         examples = len(testbed(self.testbed).trainset())
         if self.examples_per_step > examples:
             raise ValueError(

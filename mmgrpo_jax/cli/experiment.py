@@ -387,6 +387,12 @@ COMMANDS = {
 def main(command: str, config: ExperimentConfig | EvalConfig, out: TextIO, **options: Any) -> int:
     if command == "optimize-prompts":
         options["out"] = out  # the budget line goes where the result goes
+    distributed = getattr(getattr(config, "mmgrpo", None), "distributed", None)
+    if distributed is not None and distributed.enabled and command != "train":
+        raise UserError(
+            f"mmgrpo.distributed (num_processes={distributed.num_processes}) is supported by "
+            f"`mmgrpo train` only, not by `mmgrpo {command}`"
+        )
     run = run_eval if command == "eval" else COMMANDS[command]
     print(json.dumps(run(config, **options), indent=2), file=out)
     return 0

@@ -98,7 +98,13 @@ class JaxEngine:
 
     def update_weights(self, params: nnx.State) -> None:
         check_weights(self._weights, params)
-        copied = jax.tree.map(jnp.array, params)  # the trainer donates its own buffers
+        # a copy (the trainer donates its own buffers) placed where the engine's weights are:
+        # an engine built before the policy went onto a mesh keeps its own devices
+        copied = jax.tree.map(
+            lambda new, old: jax.device_put(new, old.sharding, may_alias=False),
+            params,
+            self._weights,
+        )
         with self._cond:
             self._weights = copied
 

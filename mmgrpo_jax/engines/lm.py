@@ -85,7 +85,7 @@ class EngineLM:
                 f"{self.max_prompt_tokens}"
             )
         trace = current().trace
-        call = 0 if trace is None else len(trace.calls)
+        call = 0 if trace is None else trace.next_call()
         order = None if trace is None or trace.key is None else (*trace.key, call)
         key_path = None if trace is None or trace.key_path is None else (*trace.key_path, call)
         request = Request(tuple(prompt), settings, order, key_path)

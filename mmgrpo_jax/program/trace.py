@@ -79,6 +79,7 @@ class Trace:
         # (step, example, rollout) in a training rollout: its calls' sampling keys derive from it
         self.key_path = key_path
         self._calls: list[CallRecord] = []
+        self._sent = 0  # LM calls sent so far (recorded ones are appended when they finish)
         self._counts: dict[str, int] = {}
         self._lock = threading.Lock()  # a program may fan calls out to its own threads
 
@@ -95,6 +96,13 @@ class Trace:
         with self._lock:
             index = self._counts.get(name, 0)
             self._counts[name] = index + 1
+            return index
+
+    def next_call(self) -> int:
+        """The index of an LM call being sent: numbered when sent, under the lock, so calls
+        a program makes from several threads never share one (and with it a sampling key)."""
+        with self._lock:
+            index, self._sent = self._sent, self._sent + 1
             return index
 
     def record(self, call: CallRecord) -> None:

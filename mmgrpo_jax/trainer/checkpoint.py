@@ -28,6 +28,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.parallel import local_copy
@@ -172,12 +173,17 @@ class Checkpointer:
         return None
 
     def _set_aside(self, steps: list[int]) -> None:
-        aside = self.directory.parent / "damaged-checkpoints"
-        aside.mkdir(exist_ok=True)
-        for step in steps:
-            target = aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-            shutil.move(str(self.directory / str(step)), str(target))
-            logger.warning("moved the damaged checkpoint of step %d to %s", step, target)
+        """Move damaged checkpoints out of the way (process 0; every process found the same
+        damage and waits for the move before it reloads)."""
+        if jax.process_index() == 0:
+            aside = self.directory.parent / "damaged-checkpoints"
+            aside.mkdir(exist_ok=True)
+            for step in steps:
+                target = aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+                shutil.move(str(self.directory / str(step)), str(target))
+                logger.warning("moved the damaged checkpoint of step %d to %s", step, target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("mmgrpo damaged checkpoints set aside")
         self._manager.reload()
 
     def _restore_step(

@@ -259,8 +259,8 @@ class MMGRPOConfig:
                 raise _bad(self, field, "must be >= 1")
         if not 0 < self.failing_error_fraction <= 1:
             raise _bad(self, "failing_error_fraction", "must be in (0, 1]")
-        if self.seed < 0:
-            raise _bad(self, "seed", "must be >= 0")
+        if not 0 <= self.seed < 2**32:
+            raise _bad(self, "seed", "must be in [0, 2**32) (it seeds the sampling keys)")
         if self.advantage_scale not in SCALES:
             raise _bad(self, "advantage_scale", f"must be one of {SCALES}")
         if self.train not in ("lora", "full"):

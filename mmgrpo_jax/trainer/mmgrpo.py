@@ -215,7 +215,7 @@ RESUMABLE_FIELDS = frozenset(
         # how much is recomputed, not what: a run that ran out of memory resumes with more remat
         *(f"memory.{f.name}" for f in dataclasses.fields(MemoryConfig)),
         # where it runs: samples are keyed per request, so neither the mesh nor the number of
-        # processes changes them
+        # processes changes them (beyond floating-point differences of other batch shapes)
         *(f"parallel.{f.name}" for f in dataclasses.fields(ParallelConfig)),
         *(f"distributed.{f.name}" for f in dataclasses.fields(DistributedConfig)),
     }
@@ -614,9 +614,10 @@ class MMGRPO:
         return _Learner(state, frozen, step_fn, make_logprob_fn(graphdef, temperature, chunk))
 
     def _training_model(self) -> Decoder:
-        """The model on the run's mesh: itself with one process, a placed copy with several."""
+        """The model on the run's mesh: itself with one process (placed again: restore_weights
+        may have put host weights into it), a placed copy with several."""
         if not self._local_engine:
-            return self.model
+            return shard_model(self.model, self.mesh)
         graphdef, state = nnx.split(self.model)
         placed = jax.tree.map(to_global, state, state_shardings(state, self.mesh))
         return nnx.merge(graphdef, placed)

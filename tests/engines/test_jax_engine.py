@@ -219,3 +219,23 @@ def test_keyed_rollouts_sample_the_same_alone_or_batched(model, tokenizer):
     assert rollouts(examples[2:], 2, max_batch=2) == whole[6:]
     assert len({ids for _, _, ids in whole[6:]}) > 1  # rollouts of one example differ
     assert rollouts(examples, 0, step=6) != whole  # and steps do
+
+
+def test_update_weights_keeps_the_engines_placement(model, tokenizer):
+    """An engine built before the policy went onto a mesh gets sharded weights from the trainer:
+    it keeps them on its own device (no copy of the base to every device per call)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from models.sharding import make_mesh
+
+    engine = JaxEngine(model, stop_token_ids=[0], max_wait_s=0.01)
+    try:
+        mesh = make_mesh((8, 1, 1), jax.devices()[:8])
+        params = nnx.state(model, nnx.Param)
+        sharded = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), params)
+        engine.update_weights(sharded)
+        for leaf in jax.tree.leaves(engine._weights):
+            assert len(leaf.devices()) == 1
+    finally:
+        engine.close()

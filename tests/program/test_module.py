@@ -201,3 +201,14 @@ def test_bare_predictor_reads_the_reply_as_the_value():
     assert predict(q="x").n == 42
     with pytest.raises(ValueError, match="exactly one output field"):
         ChainOfThought("q -> a", bare=True)
+
+
+def test_calls_sent_from_several_threads_get_distinct_indices():
+    """The index of a call (part of its sampling key) is taken when it is sent, not when it is
+    recorded, so concurrent calls of one rollout never share a key."""
+    from mmgrpo_jax.program.trace import Trace
+
+    trace = Trace({})
+    with ThreadPoolExecutor(8) as pool:
+        indices = list(pool.map(lambda _: trace.next_call(), range(200)))
+    assert sorted(indices) == list(range(200))

@@ -1,7 +1,13 @@
 import pytest
 
 from mmgrpo_jax.rl.losses import LossConfig
-from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
+from mmgrpo_jax.trainer.config import (
+    DistributedConfig,
+    MMGRPOConfig,
+    OptimConfig,
+    ParallelConfig,
+    SamplerConfig,
+)
 
 
 def test_dr_grpo_normalises_by_the_samplers_completion_limit():
@@ -32,6 +38,17 @@ def test_dr_grpo_normalises_by_the_samplers_completion_limit():
         (lambda: MMGRPOConfig(align="fill"), "MMGRPOConfig.align must be one of"),
         (lambda: MMGRPOConfig(select_k=1), "select_k must be >= 2 or null, got 1"),
         (lambda: MMGRPOConfig(advantage_scale="rank"), "advantage_scale must be one of"),
+        (lambda: MMGRPOConfig(seed=2**32), r"seed must be in \[0, 2\*\*32\)"),
+        (lambda: ParallelConfig(fsdp=0), "ParallelConfig.fsdp must be >= 1, got 0"),
+        (lambda: ParallelConfig(devices=0), "ParallelConfig.devices must be >= 1 or null"),
+        (
+            lambda: DistributedConfig(num_processes=2),
+            "DistributedConfig.coordinator_address must be host:port when num_processes > 1",
+        ),
+        (
+            lambda: DistributedConfig("h:1", num_processes=2, process_id=2),
+            r"process_id must be in \[0, num_processes=2\), got 2",
+        ),
     ],
 )
 def test_every_section_names_its_bad_field(make, message):
