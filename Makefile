@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/mmgrpo demo
 
+# two workers: the suite is mostly compiles and tiny dispatches, one core each
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -1,4 +1,5 @@
-"""Attention over a compact mask: the dense reference and a blockwise online-softmax path.
+"""Attention over a compact mask: the dense reference, a blockwise online-softmax path, and a
+fused GPU kernel.
 
 Dense attention materialises [B, heads, T, S] float32 scores; at 8,192 tokens that is ~8 GiB per
 row and layer, kept for the backward pass. The blockwise path (flash-attention style, any backend)
@@ -6,6 +7,11 @@ walks query blocks x key blocks with a running max and sum, never holds more tha
 scores, skips key blocks that every query of a block is causally barred from, and has its own
 backward pass (a custom VJP that recomputes the block scores from the saved log-sum-exp), so the
 backward keeps only the output and one float per query.
+
+The fused kernel is Pallas's Triton flash attention (jax.experimental.pallas.ops.gpu), with
+segment ids for packed rows, for the passes without a KV cache (training and log-probs, where
+memory and time go); passes with a cache (the sampler) run blockwise. On other backends it runs in
+the Pallas interpreter (slow: for the parity tests only).
 
 Layouts are the decoder's: q [B, K, T, G, Dh] (G query heads share each of the K key/value heads),
 keys [B, K, Dh, S] and values [B, K, S, Dh] (the KV cache's layout: no transpose of the cache).
@@ -15,14 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Literal
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-Implementation = Literal["dense", "blockwise"]
-IMPLEMENTATIONS: tuple[str, ...] = ("dense", "blockwise")
+Implementation = Literal["dense", "blockwise", "pallas"]
+IMPLEMENTATIONS: tuple[str, ...] = ("dense", "blockwise", "pallas")
+PALLAS_MAX_BLOCK = 128  # the Triton kernel's tiles: larger ones exceed a GPU's shared memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +109,70 @@ class AttentionMask:
 
 
 def attend(
-    q: jax.Array, keys: jax.Array, values: jax.Array, mask: AttentionMask, config: AttentionConfig
+    q: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    mask: AttentionMask,
+    config: AttentionConfig,
+    cached: bool = False,
 ) -> jax.Array:
-    """[B, K, T, G, Dh] attention output in q's dtype; single-token queries always go dense."""
+    """[B, K, T, G, Dh] attention output in q's dtype; single-token queries always go dense.
+    `cached`: the keys are a KV cache's slots (not the queries' own tokens)."""
     if config.implementation == "dense" or q.shape[2] == 1:
         return dense_attention(q, keys, values, mask)
+    if config.implementation == "pallas" and not cached:
+        return pallas_attention(q, keys, values, mask, config.q_block, config.kv_block)
     return blockwise_attention(q, keys, values, mask, config.q_block, config.kv_block)
+
+
+def pallas_attention(
+    q: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    mask: AttentionMask,
+    q_block: int = PALLAS_MAX_BLOCK,
+    kv_block: int = PALLAS_MAX_BLOCK,
+) -> jax.Array:
+    """Self-attention of T tokens (query t at slot t, no cache) by the fused Pallas kernel:
+    causal within each segment (packed rows) or over the valid tokens. A padding query sees
+    the padding before it (its output is never used) where the other paths give it zeros."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+
+    b, k, t, g, dh = q.shape
+    if keys.shape[-1] != t:
+        raise ValueError(
+            f"pallas attention is self-attention: {t} queries but {keys.shape[-1]} keys"
+        )
+    segments = mask.q_segments
+    if segments is None:  # right-padded rows: padding is a segment of its own
+        segments = jnp.where(mask.kv_valid, 0, -1).astype(jnp.int32)
+    heads = k * g
+    queries = q.transpose(0, 2, 1, 3, 4).reshape(b, t, heads, dh)
+    # each key / value head serves its G query heads: heads k*G .. k*G+G-1, HF's order
+    keys = jnp.repeat(keys.transpose(0, 3, 1, 2), g, axis=2).astype(q.dtype)  # [B, S, N, Dh]
+    values = jnp.repeat(values.transpose(0, 2, 1, 3), g, axis=2).astype(q.dtype)
+    block_q = math.gcd(t, min(q_block, PALLAS_MAX_BLOCK))
+    block_k = math.gcd(t, min(kv_block, PALLAS_MAX_BLOCK))
+    backward = min(block_q, block_k, 32)
+    sizes = pallas_gpu.BlockSizes(
+        block_q=block_q,
+        block_k=block_k,
+        block_q_dkv=backward,
+        block_kv_dkv=backward,
+        block_q_dq=backward,
+        block_kv_dq=backward,
+    )
+    out = pallas_gpu.mha(
+        queries,
+        keys,
+        values,
+        segments,
+        sm_scale=dh**-0.5,
+        causal=True,
+        block_sizes=sizes,
+        interpret=jax.default_backend() != "gpu",
+    )
+    return out.reshape(b, t, k, g, dh).transpose(0, 2, 1, 3, 4)
 
 
 def dense_attention(

@@ -95,7 +95,7 @@ class Attention(nnx.Module):
                 k, v, mask = k[..., : slot + t], v[:, :, : slot + t], mask.first_slots(slot + t)
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim).transpose(0, 2, 1, 3, 4)
-        out = attend(q, k, v, mask, attention)  # [B, K, T, G, Dh]
+        out = attend(q, k, v, mask, attention, cached=cache is not None)  # [B, K, T, G, Dh]
         out = out.transpose(0, 2, 1, 3, 4)
         return self.o_proj(out.reshape(b, t, -1), use_lora, rngs), cache
 

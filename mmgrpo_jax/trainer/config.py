@@ -108,7 +108,7 @@ class MemoryConfig:
     reference paths, right for tiny models; an 8B policy at 8k context needs blockwise
     attention, remat and the two chunks (`mmgrpo plan` shows each one's effect)."""
 
-    attention: Literal["dense", "blockwise"] = "dense"
+    attention: Literal["dense", "blockwise", "pallas"] = "dense"
     attention_block: int = 512  # query and key positions per attention tile
     remat: bool = False  # recompute every block in the backward pass (keep block inputs only)
     logits_chunk: int = 0  # positions per lm_head chunk in log-prob passes; 0 = all at once

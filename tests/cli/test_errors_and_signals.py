@@ -51,7 +51,7 @@ def one_line_error(capsys):
         ("loss=foo", "LossConfig.variant must be a registered loss"),
         ("beta=-1.0", "LossConfig.beta must be >= 0, got -1.0"),
         ("hidden_size=2", "hidden_size=2 is not a multiple of num_heads=4"),
-        ("seed=-1", "MMGRPOConfig.seed must be >= 0, got -1"),
+        ("seed=-1", "MMGRPOConfig.seed must be in [0, 2**32) (it seeds the sampling keys), got -1"),
         ("examples_per_step=100", "examples_per_step must be <= 16"),
         ("resume=true", "resume=true needs the run_dir"),
         ("checkpoint_every=0", "checkpoint_every must be >= 1, got 0"),

@@ -112,3 +112,50 @@ def test_single_token_queries_attend_densely_whatever_the_setting():
 def test_bad_settings_name_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AttentionConfig(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["right_padded", "packed"])
+def test_pallas_kernel_equals_dense_on_the_tokens_it_serves(name):
+    """The fused kernel (run by the Pallas interpreter here; Triton on a GPU) against the dense
+    reference: outputs and gradients of the real tokens' queries, float32."""
+    t = 32  # a multiple of the kernel's tiles
+    q, keys, values = qkv(jnp.float32, t=t, s=t, seed=3)
+    valid = np.arange(t)[None] < np.array([[t], [21]])
+    segments = np.zeros((B, t), np.int32)
+    segments[0, 12:], segments[1, 5:], segments[1, 25:] = 1, 1, 2
+    mask = {
+        "right_padded": AttentionMask.causal(jnp.asarray(valid)),
+        "packed": AttentionMask.causal(jnp.ones((B, t), bool), jnp.asarray(segments)),
+    }[name]
+    served = np.asarray(mask.kv_valid)[:, None, :, None, None]
+
+    def loss_and_grads_of(fn):
+        def loss(q, keys, values):
+            out = fn(q, keys, values)
+            return jnp.sum(jnp.where(served, jnp.sin(out) * out, 0.0)), out
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, keys, values)
+
+    pallas = AttentionConfig("pallas", q_block=16, kv_block=16)
+    (got_loss, got_out), got = loss_and_grads_of(lambda *x: attend(*x, mask, pallas))
+    (want_loss, want_out), want = loss_and_grads_of(lambda *x: dense_attention(*x, mask))
+    assert_close(np.where(served, got_out, 0), np.where(served, want_out, 0), 1e-5)
+    assert_close(got_loss, want_loss, 1e-5)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, 1e-5)
+
+
+def test_pallas_serves_passes_without_a_cache_only():
+    q, keys, values = qkv(jnp.float32, t=16, s=40)
+    slots = jnp.broadcast_to(jnp.arange(10, 26, dtype=jnp.int32), (B, 16))
+    mask = AttentionMask(slots, jnp.ones((B, 40), bool))
+    pallas = AttentionConfig("pallas", q_block=16, kv_block=16)
+    blockwise = AttentionConfig("blockwise", q_block=16, kv_block=16)
+    # a cache's slots go blockwise; without the flag the kernel refuses keys that are not the
+    # queries' own tokens
+    np.testing.assert_array_equal(
+        attend(q, keys, values, mask, pallas, cached=True),
+        attend(q, keys, values, mask, blockwise, cached=True),
+    )
+    with pytest.raises(ValueError, match="self-attention: 16 queries but 40 keys"):
+        attend(q, keys, values, mask, pallas)
