@@ -154,6 +154,15 @@ def gather_objects(local: T) -> list[T]:
     ]
 
 
+def process_zero_says(flag: bool) -> bool:
+    """Process 0's `flag` on every process (a collective): a decision that steers collectives
+    after it (skip an evaluation, stop a finished run) is taken once, not by each process
+    reading shared files on its own."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
 def is_main_process() -> bool:
     """Process 0 writes the logs, checkpoint metadata and the adapter."""
     return jax.process_index() == 0

@@ -395,7 +395,7 @@ class MMGRPO:
             lm, greedy = self._lms(engine)
             restored = self._resume(checkpoints, learner, engine, program)
             done = 0 if restored is None else restored.step
-            if restored is not None and self._finished(done):
+            if restored is not None and parallel.process_zero_says(self._finished(done)):
                 return program
             self.log = RunLogger(
                 self.run_dir,
@@ -655,7 +655,7 @@ class MMGRPO:
 
     def _evaluate(self, program: Module, valset: Sequence[Example], lm: LM, step: int) -> None:
         # logged at x = completed updates, so the curve starts at the untrained policy
-        if self.log.has("eval_reward", step):
+        if parallel.process_zero_says(self.log.has("eval_reward", step)):
             return  # logged before the checkpoint this run resumed from (greedy: the same value)
         start = time.perf_counter()
         reward = evaluate(program, valset, self.metric, lm)

@@ -175,12 +175,22 @@ def plan_memory(
         )
     dtype = jnp.dtype(config.dtype)
     lora = config.lora if config.train == "lora" else None
+    attention = config.memory.attention_config
+    if attention.implementation == "pallas" and jax.default_backend() != "gpu":
+        # off a GPU the kernel is the Pallas interpreter, whose buffers say nothing of the
+        # kernel's; the kernel, like blockwise, keeps one tile of scores and one float a query
+        logger.warning(
+            "planning memory.attention=pallas as blockwise on this %s host: the fused kernel "
+            "only compiles for a GPU",
+            jax.default_backend(),
+        )
+        attention = dataclasses.replace(attention, implementation="blockwise")
     abstract = nnx.eval_shape(
         lambda: Decoder(
             model_config,
             lora=lora,
             dtype=dtype,
-            attention=config.memory.attention_config,
+            attention=attention,
             remat=config.memory.remat,
             rngs=nnx.Rngs(0),
         )

@@ -155,3 +155,13 @@ def test_packing_is_refused_for_bnpo_whose_micro_batch_mean_it_would_change():
             memory=MemoryConfig(pack_length=512),
             sampler=SamplerConfig(max_prompt_tokens=256, max_completion_tokens=128),
         )
+
+
+def test_a_pallas_config_is_planned_as_blockwise_off_a_gpu(caplog):
+    """The Pallas interpreter's buffers say nothing of the kernel's: a CPU host plans the
+    kernel's tile-at-a-time footprint with the blockwise path, and says so."""
+    small = {"prompt": 112, "completion": 16, "micro_batch": 2, "sampler_batch": 2}
+    pallas = plan_memory(config(MemoryConfig("pallas", 64), **small), MODEL, 10**12)
+    blockwise = plan_memory(config(MemoryConfig("blockwise", 64), **small), MODEL, 10**12)
+    assert pallas.train_step_bytes == blockwise.train_step_bytes
+    assert "planning memory.attention=pallas as blockwise on this cpu host" in caplog.text
