@@ -154,6 +154,16 @@ def gather_objects(local: T) -> list[T]:
     ]
 
 
+def any_signal(signum: int | None) -> int | None:
+    """The signal some process holds back (the highest number), on every process: all of
+    them stop at the same step boundary, so their collectives stay in step (a collective
+    called by only some processes would wait for ever: both sides are alive)."""
+    if jax.process_count() == 1:
+        return signum
+    everyone = multihost_utils.process_allgather(np.asarray([signum or 0], np.int64))
+    return int(everyone.max()) or None
+
+
 def process_zero_says(flag: bool) -> bool:
     """Process 0's `flag` on every process (a collective): a decision that steers collectives
     after it (skip an evaluation, stop a finished run) is taken once, not by each process

@@ -72,8 +72,20 @@ class StopSignals:
             raise Interrupted(self._pending)  # held back by hold(): the work is done, stop now
 
     def hold(self) -> None:
-        """Hold signals back until the `with` block ends (the closing writes of a run)."""
+        """Hold signals back until the `with` block ends (the closing writes of a run), or
+        until `stop_now` acts on them."""
         self._depth += 1
+
+    @property
+    def pending(self) -> int | None:
+        """The signal held back so far, if any."""
+        return self._pending
+
+    def stop_now(self, signum: int) -> None:
+        """Raise `Interrupted(signum)` here: a run of several processes stops at the same step
+        on every process, whichever process the signal reached (see MMGRPO.compile)."""
+        self._pending, self._stopping = None, True
+        raise Interrupted(signum)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name

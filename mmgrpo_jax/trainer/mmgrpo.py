@@ -419,8 +419,14 @@ class MMGRPO:
                     "continues the run"
                 )
 
+            # several processes: a signal is held and acted on at the next step boundary by
+            # every process at once
+            if self._local_engine:
+                stop.hold()
             try:
                 for step in self._progress(done):
+                    if self._local_engine and (signum := parallel.any_signal(stop.pending)):
+                        stop.stop_now(signum)
                     # a signal here raises at once: rollouts and evaluation change no state
                     if step % cfg.eval_every == 0 and valset:
                         self._evaluate(program, valset, greedy, step)  # once, resumed or not

@@ -101,3 +101,26 @@ def test_a_process_that_dies_stops_the_other_with_an_error(tmp_path):
     assert time.monotonic() - killed < 90
     text = logs[0].read_text()
     assert "stopped sending heartbeats" in text or "unhealthy" in text, text[-2000:]
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path):
+    """SIGTERM to process 1 only: both stop at the next step boundary together, write one
+    checkpoint of the last completed step, and exit 143 (no process waits in a collective)."""
+    import signal
+
+    logs = [tmp_path / f"log{i}.txt" for i in range(2)]
+    processes = two_processes(tmp_path / "run", "num_steps=50", logs=logs)
+    deadline = time.monotonic() + 300
+    while not any('"step": 2.0' in line for line in _lines(tmp_path / "run" / "metrics.jsonl")):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in processes)
+        time.sleep(0.5)
+    processes[1].send_signal(signal.SIGTERM)
+    codes = [p.wait(timeout=120) for p in processes]
+    assert codes == [143, 143], [log.read_text()[-2000:] for log in logs]
+    saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved and saved[-1] == int(steps(tmp_path / "run")[-1]["step"])
+
+
+def _lines(path):
+    return path.read_text().splitlines() if path.exists() else []
