@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from mmgrpo_jax.rl.batch import Batch
 from mmgrpo_jax.trainer.config import DistributedConfig, ParallelConfig
-from models.sharding import BATCH, make_mesh, to_global
+from models.sharding import BATCH, make_mesh, replicated, to_global
 
 logger = logging.getLogger(__name__)
 
@@ -75,15 +75,6 @@ def run_mesh(config: ParallelConfig) -> Mesh:
             )
         devices = devices[: config.devices]
     return make_mesh(config.mesh_shape(len(devices)), devices)
-
-
-def row_shards(mesh: Mesh) -> int:
-    """Into how many parts a batch of rows splits: data x fsdp."""
-    return mesh.shape["data"] * mesh.shape["fsdp"]
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
 
 
 def place_batch(batch: Batch, mesh: Mesh) -> Batch:
@@ -139,18 +130,19 @@ def share(items: Sequence[T], process: int | None = None, count: int | None = No
     return range(start, start + size + (process < extra))
 
 
-def gather_objects(local: T) -> list[T]:
-    """Every process's `local` (picklable), in process order; a collective."""
+def gather_lists(local: list[T]) -> list[T]:
+    """Every process's `local` items (picklable), concatenated in process order; a collective."""
     if jax.process_count() == 1:
-        return [local]
+        return list(local)
     data = np.frombuffer(pickle.dumps(local), np.uint8)
     sizes = multihost_utils.process_allgather(np.array([data.size], np.int64))
     padded = np.zeros(int(sizes.max()), np.uint8)
     padded[: data.size] = data
     everyone = multihost_utils.process_allgather(padded)
     return [
-        pickle.loads(everyone[i, : int(n)].tobytes())  # the run's own processes' bytes
+        item
         for i, n in enumerate(sizes.reshape(-1))
+        for item in pickle.loads(everyone[i, : int(n)].tobytes())  # this run's processes' bytes
     ]
 
 

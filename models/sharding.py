@@ -88,10 +88,13 @@ def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
 
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     """Place every parameter of `model` on `mesh` by the rules (in place)."""
-    state = nnx.state(model)
-    placed = jax.tree.map(to_global, state, state_shardings(state, mesh))
-    nnx.update(model, placed)
+    nnx.update(model, placed_state(nnx.state(model), mesh))
     return model
+
+
+def placed_state(state: nnx.State, mesh: Mesh) -> nnx.State:
+    """`state` placed on `mesh` by the rules (see `to_global` for several processes)."""
+    return jax.tree.map(to_global, state, state_shardings(state, mesh))
 
 
 def to_global(x: jax.Array | np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -113,6 +116,10 @@ def to_global(x: jax.Array | np.ndarray, sharding: NamedSharding) -> jax.Array:
         for device, index in sharding.addressable_devices_indices_map(x.shape).items()
     ]
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

@@ -12,6 +12,7 @@ from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.testing import tiny_decoder
 from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, ParallelConfig, SamplerConfig
 from models.lora import LoRAConfig
+from models.sharding import batch_multiple
 from models.tokenizer import train_bpe_tokenizer
 from tests.trainer.conftest import CORPUS
 from tests.trainer.test_mmgrpo import run
@@ -85,7 +86,7 @@ def test_the_mesh_follows_the_config():
     assert parallel.run_mesh(ParallelConfig()).shape == {"data": 8, "fsdp": 1, "tensor": 1}
     mesh = parallel.run_mesh(ParallelConfig(data=None, fsdp=2, tensor=2))
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
-    assert parallel.row_shards(mesh) == 4
+    assert batch_multiple(mesh) == 4
     assert parallel.run_mesh(ParallelConfig(devices=2)).devices.size == 2
     with pytest.raises(ValueError, match=r"data=3 x fsdp=1 x tensor=1 does not cover the 8"):
         parallel.run_mesh(ParallelConfig(data=3))
@@ -112,4 +113,4 @@ def test_shares_cover_every_example_once():
     items = list(range(7))
     shares = [parallel.share(items, p, 3) for p in range(3)]
     assert [list(s) for s in shares] == [[0, 1, 2], [3, 4], [5, 6]]
-    assert parallel.gather_objects({"a": 1}) == [{"a": 1}]
+    assert parallel.gather_lists([{"a": 1}, 2]) == [{"a": 1}, 2]

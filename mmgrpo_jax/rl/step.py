@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from mmgrpo_jax.rl.batch import Batch
 from mmgrpo_jax.rl.losses import LossConfig, policy_loss
 from models.decoder import Decoder
+from models.sharding import replicated
 
 
 @flax.struct.dataclass
@@ -266,8 +266,7 @@ def make_train_step(
 
     if state_sharding is None:
         return jax.jit(step, donate_argnums=0)
-    mesh = jax.tree.leaves(state_sharding)[0].mesh
-    metrics_sharding = NamedSharding(mesh, PartitionSpec())
+    metrics_sharding = replicated(jax.tree.leaves(state_sharding)[0].mesh)
     return jax.jit(step, donate_argnums=0, out_shardings=(state_sharding, metrics_sharding))
 
 

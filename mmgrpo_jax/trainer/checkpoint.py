@@ -31,7 +31,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from mmgrpo_jax.errors import UserError
-from mmgrpo_jax.parallel import local_copy
+from mmgrpo_jax.parallel import is_main_process, local_copy
 from mmgrpo_jax.rl.step import TrainState
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class Checkpointer:
     def _set_aside(self, steps: list[int]) -> None:
         """Move damaged checkpoints out of the way (process 0; every process found the same
         damage and waits for the move before it reloads)."""
-        if jax.process_index() == 0:
+        if is_main_process():
             aside = self.directory.parent / "damaged-checkpoints"
             aside.mkdir(exist_ok=True)
             for step in steps:

@@ -66,7 +66,7 @@ from mmgrpo_jax.trainer.run_log import RunLogger
 from models.decoder import Decoder
 from models.export import save_peft_adapter
 from models.hf import load_checkpoint
-from models.sharding import shard_model, state_shardings, to_global
+from models.sharding import batch_multiple, placed_state, shard_model
 from models.tokenizer import HFTokenizer
 
 __all__ = [
@@ -156,8 +156,7 @@ def evaluate(program: Module, examples: Sequence[Example], metric: Metric, lm: L
         return float("nan")
     mine = parallel.share(examples)
     scored = score_examples(program, examples[mine.start : mine.stop], metric, lm=lm)
-    rewards = parallel.gather_objects([t.reward for t in scored])
-    return float(np.mean([r for share in rewards for r in share]))
+    return float(np.mean(parallel.gather_lists([t.reward for t in scored])))
 
 
 def step_metrics(
@@ -355,7 +354,7 @@ class MMGRPO:
         # engine (split in compile) run with them; an engine passed in was split before
         apply_memory_settings(model, config)
         self.mesh = parallel.run_mesh(config.parallel)
-        shards = parallel.row_shards(self.mesh)
+        shards = batch_multiple(self.mesh)
         if config.optim.micro_batch_size % shards:
             raise UserError(
                 f"MMGRPOConfig.optim.micro_batch_size={config.optim.micro_batch_size} does not "
@@ -513,7 +512,7 @@ class MMGRPO:
         )
         seconds = {"rollout": time.perf_counter() - start}
         # every process groups and trains on the whole step's trajectories
-        trajectories = [t for share in parallel.gather_objects(trajectories) for t in share]
+        trajectories = parallel.gather_lists(trajectories)
         settings = GroupingSettings(cfg.num_rollouts, cfg.align, cfg.select_k, cfg.seed + step)
         groups = rule.group(trajectories, settings)
         advantages = advantages_for_groups(groups, cfg.advantage_scale)
@@ -536,7 +535,7 @@ class MMGRPO:
         if rollouts.rows:
             start = time.perf_counter()
             pack_length = cfg.memory.pack_length or None
-            shards = parallel.row_shards(self.mesh)
+            shards = batch_multiple(self.mesh)
             batch = pack_rows(rollouts.rows, cfg.optim.micro_batch_size, pack_length, shards)
             padding = batch.padding_fraction
             update = self._update(learner, parallel.place_batch(batch, self.mesh), guard, step)
@@ -625,8 +624,7 @@ class MMGRPO:
         if not self._local_engine:
             return shard_model(self.model, self.mesh)
         graphdef, state = nnx.split(self.model)
-        placed = jax.tree.map(to_global, state, state_shardings(state, self.mesh))
-        return nnx.merge(graphdef, placed)
+        return nnx.merge(graphdef, placed_state(state, self.mesh))
 
     def _open_engine(self, closing: ExitStack) -> RolloutEngine:
         if self.engine is not None:
