@@ -93,17 +93,64 @@ def _sample(
             kth = jax.lax.top_k(scaled, params.top_k)[0][:, -1:]
             filtered = jnp.where(scaled < kth, -jnp.inf, filtered)
         if params.top_p < 1.0:
-            ordered = jnp.sort(filtered, axis=-1)[:, ::-1]
-            probs = jax.nn.softmax(ordered, axis=-1)
-            before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-            kept = jnp.where(before < params.top_p, ordered, jnp.inf)
-            threshold = jnp.min(kept, axis=-1, keepdims=True)
-            filtered = jnp.where(filtered < threshold, -jnp.inf, filtered)
+            filtered = nucleus(filtered, params.top_p)
         token = jax.vmap(jax.random.categorical)(keys, filtered)
-    # log-softmax at the chosen token only: the full [B, V] log-softmax is never materialised
+    return token.astype(jnp.int32), chosen_logprob(scaled, token)
+
+
+def nucleus(filtered: jax.Array, top_p: jax.Array | float) -> jax.Array:
+    """Top-p filtering of [B, V] scaled logits (`top_p` a float or [B, 1]): keep the most likely
+    tokens whose mass before them is under top_p."""
+    ordered = jnp.sort(filtered, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+    kept = jnp.where(before < top_p, ordered, jnp.inf)
+    threshold = jnp.min(kept, axis=-1, keepdims=True)
+    return jnp.where(filtered < threshold, -jnp.inf, filtered)
+
+
+def chosen_logprob(scaled: jax.Array, token: jax.Array) -> jax.Array:
+    """log-softmax at the chosen token only: the full [B, V] log-softmax is never materialised."""
     chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
-    logprob = chosen - jax.nn.logsumexp(scaled, axis=-1)
-    return token.astype(jnp.int32), logprob
+    return chosen - jax.nn.logsumexp(scaled, axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowFilters:
+    """Which filters some row of a mixed batch uses: static, so a batch without them skips them."""
+
+    any_sampled: bool
+    any_top_k: bool
+    any_top_p: bool
+
+
+def sample_rows(
+    logits: jax.Array,  # [B, V]
+    keys: jax.Array,  # [B] the key of each row's token (already folded with its index)
+    temperature: jax.Array,  # [B] 0 = greedy
+    top_k: jax.Array,  # [B] 0 = off
+    top_p: jax.Array,  # [B] 1 = off
+    filters: RowFilters,
+) -> tuple[jax.Array, jax.Array]:
+    """`_sample` with every row's own settings (the continuous engine's mixed batches): a row
+    draws exactly what `_sample` draws with its settings alone."""
+    greedy = temperature <= 0
+    scaled = logits.astype(jnp.float32)
+    argmax = jnp.argmax(scaled, axis=-1)
+    if not filters.any_sampled:
+        return argmax.astype(jnp.int32), chosen_logprob(scaled, argmax)
+    scaled = scaled / jnp.where(greedy, 1.0, temperature)[:, None]
+    filtered = scaled
+    if filters.any_top_k:
+        ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+        kth = jnp.take_along_axis(ordered, jnp.maximum(top_k - 1, 0)[:, None], axis=-1)
+        kth = jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
+        filtered = jnp.where(scaled < kth, -jnp.inf, filtered)
+    if filters.any_top_p:
+        filtered = jnp.where(top_p[:, None] < 1.0, nucleus(filtered, top_p[:, None]), filtered)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
+    token = jnp.where(greedy, argmax, drawn)
+    return token.astype(jnp.int32), chosen_logprob(scaled, token)
 
 
 def _attend_mask(valid: jax.Array, first_slot: jax.Array | int, length: int) -> AttentionMask:
@@ -155,11 +202,11 @@ def _prefill(
         hidden, cache = model.hidden_states(tokens, positions, mask, cache, slot=0)
         last_hidden = hidden[:, -1]
     logits = model.logits(last_hidden)  # last position only: [B, V]
-    token, logprob = _sample(logits, _fold_in(keys, 0), temperature, params)
+    token, logprob = _sample(logits, fold_in_rows(keys, 0), temperature, params)
     return token, logprob, cache, positions[:, -1] + 1
 
 
-def _fold_in(keys: jax.Array, data: jax.Array | int) -> jax.Array:
+def fold_in_rows(keys: jax.Array, data: jax.Array | int) -> jax.Array:
     """Every row's key folded with its data (or all with the same: the index of the token
     they draw)."""
     in_axes = (0, 0 if jnp.ndim(data) else None)
@@ -213,7 +260,7 @@ def _decode(
         mask = _attend_mask(cache.valid, slot, 1)
         hidden, cache = model.hidden_states(previous[:, None], positions, mask, cache, slot=slot)
         logits = model.logits(hidden[:, 0])
-        token, logprob = _sample(logits, _fold_in(s.keys, s.step), temperature, params)
+        token, logprob = _sample(logits, fold_in_rows(s.keys, s.step), temperature, params)
         token = jnp.where(s.done, 0, token)
         logprob = jnp.where(s.done, 0.0, logprob)
         return DecodeState(
@@ -229,7 +276,7 @@ def _decode(
     return jax.lax.while_loop(cond, body, init)
 
 
-def _check_arguments(prompts, vocab, max_new_tokens, temperature, top_p, top_k) -> None:
+def check_arguments(prompts, vocab, max_new_tokens, temperature, top_p, top_k) -> None:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
@@ -272,7 +319,7 @@ def generate(
     if not prompts:
         return []
     vocab = model.config.vocab_size
-    _check_arguments(prompts, vocab, max_new_tokens, temperature, top_p, top_k)
+    check_arguments(prompts, vocab, max_new_tokens, temperature, top_p, top_k)
     params = SamplingParams(
         greedy=temperature == 0,
         top_k=int(top_k),
@@ -317,7 +364,7 @@ def _path_key(seed: jax.Array, path: jax.Array) -> jax.Array:
 
 def row_keys(seed: int, n: int) -> jax.Array:
     """[n] keys: fold_in(key(seed), i) for row i."""
-    return _fold_in(jnp.broadcast_to(jax.random.key(seed), (n,)), jnp.arange(n))
+    return fold_in_rows(jnp.broadcast_to(jax.random.key(seed), (n,)), jnp.arange(n))
 
 
 def _rows_per_call(prompts, max_new_tokens, prefill_chunk, max_cache_tokens, mesh) -> int:

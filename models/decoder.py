@@ -62,7 +62,7 @@ class Attention(nnx.Module):
         inv_freq: jax.Array,  # [Dh/2]
         cache: KVCache | None,  # every layer's cache; this block reads and writes `layer`'s
         layer: jax.Array | int,
-        slot: jax.Array | int,  # first cache slot written by these T positions
+        slot: jax.Array | int,  # first cache slot written by these T positions ([B]: per row)
         use_lora: bool,
         rngs: nnx.Rngs | None,  # LoRA dropout during training; None disables it
         attention: AttentionConfig,
@@ -81,12 +81,8 @@ class Attention(nnx.Module):
             # Prefill and decode write their new keys into the preallocated cache (only these
             # T slots of this layer), then attend to the layer's whole cache.
             cache = cache.replace(
-                keys=jax.lax.dynamic_update_slice(
-                    cache.keys, k[None].astype(cache.keys.dtype), (layer, 0, 0, 0, slot)
-                ),
-                values=jax.lax.dynamic_update_slice(
-                    cache.values, v[None].astype(cache.values.dtype), (layer, 0, 0, slot, 0)
-                ),
+                keys=_write_slots(cache.keys, k, layer, slot, axis=4),
+                values=_write_slots(cache.values, v, layer, slot, axis=3),
             )
             k = jax.lax.dynamic_index_in_dim(cache.keys, layer, 0, keepdims=False)
             v = jax.lax.dynamic_index_in_dim(cache.values, layer, 0, keepdims=False)
@@ -98,6 +94,28 @@ class Attention(nnx.Module):
         out = attend(q, k, v, mask, attention, cached=cache is not None)  # [B, K, T, G, Dh]
         out = out.transpose(0, 2, 1, 3, 4)
         return self.o_proj(out.reshape(b, t, -1), use_lora, rngs), cache
+
+
+def _write_slots(
+    cache: jax.Array, new: jax.Array, layer: jax.Array | int, slot: jax.Array | int, axis: int
+) -> jax.Array:
+    """Write `new` (one layer's [B, ...] keys or values of T positions) into `cache` at `slot`
+    along `axis`: the same slot for every row, or (slot of shape [B]) each row's own (the
+    continuous sampler's rows sit at different lengths)."""
+    new = new.astype(cache.dtype)
+    if jnp.ndim(slot) == 0:
+        start = [layer, 0, 0, 0, 0]
+        start[axis] = slot
+        return jax.lax.dynamic_update_slice(cache, new[None], tuple(start))
+
+    def write_row(row: jax.Array, row_new: jax.Array, row_slot: jax.Array) -> jax.Array:
+        start = [0, 0, 0]
+        start[axis - 2] = row_slot
+        return jax.lax.dynamic_update_slice(row, row_new, tuple(start))
+
+    rows = jax.lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False)
+    rows = jax.vmap(write_row)(rows, new, slot)
+    return jax.lax.dynamic_update_index_in_dim(cache, rows, layer, 0)
 
 
 class MLP(nnx.Module):
@@ -146,7 +164,7 @@ class KVCache:
 
     keys: jax.Array  # [layers, B, K, Dh, S]
     values: jax.Array  # [layers, B, K, S, Dh]
-    valid: jax.Array  # [B, S] bool
+    valid: jax.Array | None = None  # [B, S] bool; None: a row holds real tokens up to its length
 
 
 class Decoder(nnx.Module):

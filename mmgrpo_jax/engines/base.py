@@ -54,11 +54,19 @@ class Request:
 
 @dataclasses.dataclass
 class EngineStats:
-    """How full the sampler calls were: the number behind 'keep the sampler busy'."""
+    """Where an engine's time goes and how full it kept the sampler: the numbers behind 'keep
+    the sampler busy'. Counters only grow; `since` takes one step's share."""
 
-    dispatches: int = 0
-    requests: int = 0
-    max_batch: int = 1
+    dispatches: int = 0  # sampler calls (a continuous engine: prefill and decode passes)
+    requests: int = 0  # requests answered
+    max_batch: int = 1  # rows one call can hold (a continuous engine: its slots)
+    tokens: int = 0  # tokens sampled
+    sample_s: float = 0.0  # seconds inside sampler calls
+    queue_wait_s: float = 0.0  # summed over requests: seconds from submit to sampling start
+    row_steps: int = 0  # continuous: decode steps x the rows live in them
+    slot_steps: int = 0  # continuous: decode steps x the pool's slots
+    compiles: int = 0  # sampler programs compiled (a continuous engine counts its own)
+    shared_prefix_tokens: int = 0  # prompt tokens copied from a slot instead of prefilled
 
     @property
     def mean_batch(self) -> float:
@@ -66,13 +74,24 @@ class EngineStats:
 
     @property
     def occupancy(self) -> float:
+        """The share of sampler rows doing work: live rows per slot over the decode steps of a
+        continuous engine, else requests per call over max_batch."""
+        if self.slot_steps:
+            return self.row_steps / self.slot_steps
         return self.mean_batch / self.max_batch
+
+    @property
+    def mean_queue_wait_s(self) -> float:
+        return self.queue_wait_s / self.requests if self.requests else 0.0
 
     def since(self, earlier: EngineStats) -> EngineStats:
         """The calls made after `earlier` (a copy taken then): one step's share."""
-        return EngineStats(
-            self.dispatches - earlier.dispatches, self.requests - earlier.requests, self.max_batch
-        )
+        counted = {
+            f.name: getattr(self, f.name) - getattr(earlier, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "max_batch"
+        }
+        return EngineStats(max_batch=self.max_batch, **counted)
 
 
 @runtime_checkable

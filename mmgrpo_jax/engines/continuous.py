@@ -1,0 +1,289 @@
+"""The continuous-batching JAX engine: a fixed pool of sequence slots that requests join and
+leave between short decode calls (DESIGN section 10).
+
+One dispatcher thread loops: queued requests take free slots (their prompts prefilled in one
+pass, sharing any prefix another slot already holds), then every live slot decodes
+`decode_steps` tokens in one jitted call, and each finished row goes back to its caller at once,
+so its program moves on to its next module while the others keep decoding. Requests with
+different sampling settings share a pass (every row carries its own temperature, top-k, top-p,
+token budget and key). Keys come from the request (DESIGN section 9), so a sample does not
+depend on which requests it was scheduled with, or when: the engine returns what sampling each
+request alone would.
+
+Prefix sharing: a slot keeps the tokens whose keys and values it holds until it is given to
+another request. A new request whose prompt starts with some of them (the G rollouts' first
+calls, a fixed system prompt and demos) is prefilled from the end of the shared part on top of a
+copy of that slot's cache. When the best source is another request admitted at the same time,
+the request waits for that one's pass (one pass later, in the same admission).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from mmgrpo_jax.engines.base import Completion
+from mmgrpo_jax.engines.local import LocalEngine, Pending, schedule_order
+from mmgrpo_jax.sampling import check_arguments
+from mmgrpo_jax.slot_pool import DecodeRows, RowSampling, SlotPool
+from models.decoder import Decoder
+
+MIN_WAIT_GAIN = 32  # tokens: a request waits a wave for a longer shared prefix than this
+
+
+@dataclasses.dataclass
+class _Row:
+    """A request in its slot."""
+
+    pending: Pending
+    key: Any  # its PRNG key
+    prompt: tuple[int, ...]
+    tokens: list[int]
+    logprobs: list[float]
+
+    @property
+    def filled(self) -> int:
+        """Slots holding its tokens: the prompt and every sampled token but the last."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Joining:
+    """A request given a slot, prefilled from `shared` on top of `source`'s first slots."""
+
+    slot: int
+    source: int
+    shared: int
+    pending: Pending
+    key: Any
+
+
+class ContinuousEngine(LocalEngine):
+    """`RolloutEngine` over a local Decoder with continuous batching; thread-safe."""
+
+    def __init__(
+        self,
+        model: Decoder,
+        *,
+        stop_token_ids: Sequence[int],
+        trainable: Any = None,
+        slots: int = 64,
+        decode_steps: int = 8,
+        max_wait_s: float = 0.05,
+        seed: int = 0,
+        prefix_sharing: bool = True,
+        max_cache_tokens: int | None = None,
+        mesh: Mesh | None = None,
+    ) -> None:
+        """`slots` rows decode together at most; `decode_steps` tokens per jitted decode call
+        (between calls finished rows leave and queued requests join); `max_cache_tokens`
+        bounds slots x cache length (the pool grows with the longest request)."""
+        super().__init__(
+            model,
+            stop_token_ids=stop_token_ids,
+            trainable=trainable,
+            max_batch=slots,
+            max_wait_s=max_wait_s,
+            seed=seed,
+        )
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+        if max_cache_tokens is not None and max_cache_tokens < 1:
+            raise ValueError(f"max_cache_tokens must be >= 1 or None, got {max_cache_tokens}")
+        self.decode_steps, self.prefix_sharing = decode_steps, prefix_sharing
+        self._pool = SlotPool(
+            model,
+            slots,
+            eos_token_ids=stop_token_ids,
+            max_cache_tokens=max_cache_tokens,
+            mesh=mesh,
+        )
+        self.mesh = mesh
+        self._eos = frozenset(self.stop_token_ids)
+        self._live: dict[int, _Row] = {}  # slot -> its request
+        self._free: deque[int] = deque(range(slots))  # longest free first: keeps prefixes
+        self._held: dict[int, np.ndarray] = {}  # slot -> the tokens whose cache it holds
+        self._start()
+
+    # -- the dispatcher ------------------------------------------------------------------------
+    def _dispatch_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._live and not self._batch_ready():
+                    self._cond.wait(timeout=self.max_wait_s / 4)
+                if self._closed:
+                    self._fail(
+                        [row.pending for row in self._live.values()],
+                        RuntimeError("the ContinuousEngine was closed"),
+                    )
+                    return
+                joining = sorted(self._pending, key=schedule_order)[: len(self._free)]
+                taken = {id(p) for p in joining}
+                self._pending = [p for p in self._pending if id(p) not in taken]
+                keys = [self._request_key(p.request) for p in joining]
+                graphdef, *states = self._model_states()
+            model = (graphdef, tuple(states))
+            try:
+                if joining:
+                    self._admit(model, joining, keys)
+                if self._live:
+                    self._decode(model)
+            except Exception as err:  # every caller in the pool sees it; none hangs
+                self._fail([row.pending for row in self._live.values()], err)
+                self._fail(joining, err)
+                self._live.clear()
+                self._held.clear()
+                self._free = deque(range(self._pool.rows))
+                self._pool.reset()  # a failed pass may have consumed the donated cache
+
+    def _admit(self, model, joining: list[Pending], keys: list) -> None:
+        """Prefill the joining requests into free slots, in waves: a request whose best prefix
+        source joins with it waits for that one's wave."""
+        waiting = list(zip(joining, keys, strict=True))
+        for pending, _ in waiting:
+            self._check(pending)
+        waiting = [(p, k) for p, k in waiting if not p.future.done()]
+        while waiting:
+            wave, later = [], []
+            wave_prompts: list[np.ndarray] = []
+            for pending, key in waiting:
+                prompt = np.asarray(pending.request.prompt_ids)
+                source, shared = self._best_source(prompt)
+                # waiting a wave pays when a request of this wave holds much more of the prompt
+                gain = max((_common(prompt, other) for other in wave_prompts), default=0) - shared
+                if self.prefix_sharing and gain >= min(MIN_WAIT_GAIN, len(prompt) // 2) > 0:
+                    later.append((pending, key))
+                    continue
+                slot = self._free.popleft()
+                wave.append(_Joining(slot, source if shared else slot, shared, pending, key))
+                wave_prompts.append(prompt)
+                self._held.pop(slot, None)  # being rewritten: no longer a source
+            self._extend(model, wave)
+            waiting = later
+
+    def _check(self, pending: Pending) -> None:
+        """Fail a request the pool cannot take in its caller, naming the bad value."""
+        request, settings = pending.request, pending.request.sampling
+        try:
+            check_arguments(
+                [request.prompt_ids],
+                self.model_config.vocab_size,
+                settings.max_new_tokens,
+                settings.temperature,
+                settings.top_p,
+                settings.top_k,
+            )
+            needed = len(request.prompt_ids) + settings.max_new_tokens + self.decode_steps
+            self._pool.ensure_slots(needed)
+        except ValueError as err:
+            pending.future.set_exception(err)
+
+    def _best_source(self, prompt: np.ndarray) -> tuple[int, int]:
+        """(slot, tokens shared): the held prefix longest in common with the prompt, keeping
+        at least its last token to prefill (it samples the first new token)."""
+        if not self.prefix_sharing:
+            return 0, 0
+        best, shared = 0, 0
+        for slot, held in self._held.items():
+            n = min(_common(prompt, held), len(prompt) - 1)
+            if n > shared:
+                best, shared = slot, n
+        return best, shared
+
+    def _extend(self, model, wave: list[_Joining]) -> None:
+        started = time.perf_counter()
+        now = time.monotonic()
+        pendings = [j.pending for j in wave]
+        token, logprob = self._pool.extend(
+            model,
+            source_rows=[j.source for j in wave],
+            rows=[j.slot for j in wave],
+            tokens=[j.pending.request.prompt_ids[j.shared :] for j in wave],
+            starts=[j.shared for j in wave],
+            sampling=_row_sampling(pendings, [j.key for j in wave]),
+        )
+        for j, first, first_logprob in zip(wave, token, logprob, strict=True):
+            prompt = j.pending.request.prompt_ids
+            self._held[j.slot] = np.asarray(prompt)
+            row = _Row(j.pending, j.key, prompt, [int(first)], [float(first_logprob)])
+            self._live[j.slot] = row
+            self._finish_if_done(j.slot, row)
+        with self._cond:
+            stats = self._stats
+            stats.dispatches += 1
+            stats.queue_wait_s += sum(now - p.queued_at for p in pendings)
+            stats.sample_s += time.perf_counter() - started
+            stats.tokens += len(wave)
+            stats.shared_prefix_tokens += sum(j.shared for j in wave)
+            stats.compiles = self._pool.traces
+
+    def _decode(self, model) -> None:
+        started = time.perf_counter()
+        slots = list(self._live)
+        rows = [self._live[s] for s in slots]
+        result = self._pool.decode(
+            model,
+            DecodeRows(
+                rows=slots,
+                last_token=[r.tokens[-1] for r in rows],
+                filled=[r.filled for r in rows],
+                generated=[len(r.tokens) for r in rows],
+                max_new=[r.pending.request.sampling.max_new_tokens for r in rows],
+                sampling=_row_sampling([r.pending for r in rows], [r.key for r in rows]),
+            ),
+            self.decode_steps,
+        )
+        new_tokens = 0
+        for slot, row, tokens, logprobs in zip(
+            slots, rows, result.tokens, result.logprobs, strict=True
+        ):
+            kept = tokens >= 0
+            row.tokens += tokens[kept].tolist()
+            row.logprobs += logprobs[kept].tolist()
+            new_tokens += int(kept.sum())
+            self._finish_if_done(slot, row)
+        steps = int((result.tokens >= 0).sum(axis=1).max())
+        with self._cond:
+            stats = self._stats
+            stats.dispatches += 1
+            stats.tokens += new_tokens
+            stats.row_steps += new_tokens
+            stats.slot_steps += steps * self._pool.rows
+            stats.sample_s += time.perf_counter() - started
+            stats.compiles = self._pool.traces
+
+    def _finish_if_done(self, slot: int, row: _Row) -> None:
+        stopped = row.tokens[-1] in self._eos
+        if not stopped and len(row.tokens) < row.pending.request.sampling.max_new_tokens:
+            return
+        del self._live[slot]
+        self._held[slot] = np.asarray(row.prompt + tuple(row.tokens[:-1]))
+        self._free.append(slot)
+        with self._cond:
+            self._stats.requests += 1
+        completion = Completion(row.tokens, row.logprobs, "stop" if stopped else "length")
+        row.pending.future.set_result(completion)
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """The length of the common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+def _row_sampling(pendings: Sequence[Pending], keys: Sequence) -> RowSampling:
+    settings = [p.request.sampling for p in pendings]
+    return RowSampling(
+        keys=jnp.stack(keys),
+        temperature=np.array([s.temperature for s in settings], np.float32),
+        top_k=np.array([s.top_k for s in settings], np.int32),
+        top_p=np.array([s.top_p for s in settings], np.float32),
+    )

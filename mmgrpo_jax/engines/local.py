@@ -1,0 +1,170 @@
+"""What every engine over a local Decoder shares: its own copy of the weights, the request
+queue, the callers it waits for, the sampling keys, and a dispatcher thread.
+
+The engine holds its own split of the model (graphdef, trainable state, the frozen rest):
+`update_weights` swaps the trainable part for a validated copy between sampler calls, so the
+trainer may donate its buffers and never shares a mutable model with the dispatcher. A request
+with a `key_path` samples from a key derived from (seed, *key_path); the others draw from a
+counter of the engine's own that `state_dict` saves, so a run is reproducible and resumable
+either way. Subclasses write `_dispatch_loop`: the static batcher (`JaxEngine`) and the
+continuous one (`ContinuousEngine`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import jax
+from flax import nnx
+
+from mmgrpo_jax.engines.base import EngineStats, Request, check_weights
+from mmgrpo_jax.sampling import path_key, row_keys
+from models.decoder import Decoder
+
+
+@dataclasses.dataclass
+class Pending:
+    request: Request
+    future: Future
+    queued_at: float
+
+
+def schedule_order(pending: Pending) -> tuple:
+    """Rows by (example, rollout, call), not by thread timing: the same run schedules alike."""
+    request = pending.request
+    return (request.order is None, request.order or (), pending.queued_at)
+
+
+class LocalEngine:
+    """The common part of the `RolloutEngine`s over a local Decoder; thread-safe."""
+
+    def __init__(
+        self,
+        model: Decoder,
+        *,
+        stop_token_ids: Sequence[int],
+        trainable: Any,
+        max_batch: int,
+        max_wait_s: float,
+        seed: int,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_wait_s <= 0:
+            raise ValueError(f"max_wait_s must be > 0, got {max_wait_s}")
+        if trainable is None:
+            trainable = nnx.LoRAParam if model.lora is not None else nnx.Param
+        graphdef, weights, rest = nnx.split(model, trainable, ...)
+        # Fresh containers over the same (immutable) arrays: assigning into the model's
+        # variables later changes nothing here; only update_weights does.
+        self._graphdef = graphdef
+        self._weights, self._rest = jax.tree.map(lambda x: x, (weights, rest))
+        self.model_config = model.config
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.max_batch, self.max_wait_s = max_batch, max_wait_s
+        self._stats = EngineStats(max_batch=max_batch)
+        self._seed = seed
+        self._sampled_dispatches = 0  # draws of the unkeyed stream so far
+        self._pending: list[Pending] = []
+        self._clients = 0
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._dispatch_loop, name="jax-engine", daemon=True)
+
+    def _start(self) -> None:
+        """Subclasses call this last in their __init__."""
+        self._thread.start()
+
+    # -- the engine protocol ---------------------------------------------------------------
+    def submit(self, request: Request) -> Future:
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"this {type(self).__name__} is closed")
+            self._pending.append(Pending(request, future, time.monotonic()))
+            self._cond.notify_all()
+        return future
+
+    def update_weights(self, params: nnx.State) -> None:
+        check_weights(self._weights, params)
+        # a copy (the trainer donates its own buffers) placed where the engine's weights are:
+        # an engine built before the policy went onto a mesh keeps its own devices
+        copied = jax.tree.map(
+            lambda new, old: jax.device_put(new, old.sharding, may_alias=False),
+            params,
+            self._weights,
+        )
+        with self._cond:
+            self._weights = copied
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._cond:
+            return {"sampled_dispatches": self._sampled_dispatches}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        with self._cond:
+            self._sampled_dispatches = int(state["sampled_dispatches"])
+
+    def open_client(self) -> None:
+        with self._cond:
+            self._clients += 1
+
+    def close_client(self) -> None:
+        with self._cond:
+            self._clients -= 1
+            self._cond.notify_all()  # the others may now all be waiting
+
+    def close(self) -> None:
+        """Stop: requests not yet answered fail (a run that is interrupted must not wait)."""
+        with self._cond:
+            self._closed = True
+            dropped, self._pending = self._pending, []
+            self._cond.notify_all()
+        self._fail(dropped, RuntimeError(f"the {type(self).__name__} was closed"))
+        self._thread.join()
+
+    # -- for the dispatchers ---------------------------------------------------------------
+    def _dispatch_loop(self) -> None:
+        raise NotImplementedError
+
+    def _batch_ready(self) -> bool:
+        """A batch may start: every registered caller waits, or max_batch requests are queued,
+        or the oldest has waited max_wait_s. Call under the lock."""
+        if not self._pending:
+            return False
+        waited = time.monotonic() - self._pending[0].queued_at
+        everyone_waiting = len(self._pending) >= max(self._clients, 1)
+        return everyone_waiting or len(self._pending) >= self.max_batch or waited >= self.max_wait_s
+
+    def _stream_seed(self) -> int:
+        """The next seed of the unkeyed stream (advances it). Call under the lock."""
+        seed = self._seed * 1_000_003 + self._sampled_dispatches
+        self._sampled_dispatches += 1
+        return seed
+
+    def _request_key(self, request: Request) -> jax.Array:
+        """A request's own key: from its key path, else the next draw of the stream (greedy
+        requests draw nothing). Call under the lock."""
+        if request.key_path is not None:
+            return path_key(self._seed, request.key_path)
+        seed = self._stream_seed() if request.sampling.temperature > 0 else 0
+        return row_keys(seed, 1)[0]
+
+    def _model_states(self) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+        """The weights a sampler call uses. Call under the lock."""
+        return self._graphdef, self._weights, self._rest
+
+    @staticmethod
+    def _fail(pending: Sequence[Pending], err: BaseException) -> None:
+        for p in pending:
+            if not p.future.done():
+                p.future.set_exception(err)

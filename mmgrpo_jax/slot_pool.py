@@ -1,0 +1,378 @@
+"""The continuous sampler's device side: a pool of KV-cache rows and two jitted passes over a
+compact set of them (DESIGN section 10).
+
+Row r of the pool holds one sequence from slot 0 on: its prompt (the first part possibly copied
+from another row that holds the same prefix), then its sampled tokens; RoPE positions are slots.
+A pass gathers the rows it works on, cut to a window of the first W slots that every one of them
+fits in, runs on that compact batch, and scatters the rows back. So decode attends over filled
+slots only (rounded up to the window granule) and its batch is the number of live rows, not the
+pool's size. Padding rows of a pass name a row past the pool: their reads clamp, their writes drop.
+
+`extend` writes prompts (or the part of each prompt after its shared prefix: the row is read
+from the donor and written to its own) and samples every row's first token; `decode` samples up
+to `steps` more tokens per row in one call. Every row has its own sampling settings and key
+(token i from fold_in(key, i), as in `sampling.generate`), so a row's tokens depend on neither
+its neighbours nor the moment it was scheduled. Shapes are bucketed (rows, prompt tokens,
+window), so a long run compiles a bounded number of programs; `traces` counts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from mmgrpo_jax.sampling import RowFilters, batch_bucket, fold_in_rows, sample_rows
+from mmgrpo_jax.shapes import bucket
+from models.attention import AttentionMask
+from models.decoder import Decoder, KVCache
+from models.sharding import batch_multiple, cache_sharding
+
+WINDOW_GRANULE = 128  # cache slots: the pool's length and every pass's window are multiples
+PROMPT_GRANULE = 64  # prompt tokens of an extend pass: powers of two up to here, then multiples
+MIN_PROMPT_BUCKET = 16
+
+
+def window_bucket(n: int) -> int:
+    return -(-max(n, 1) // WINDOW_GRANULE) * WINDOW_GRANULE
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """Host-side settings of the rows of one pass, in pass order."""
+
+    keys: jax.Array  # [n] PRNG keys
+    temperature: np.ndarray  # [n] float32, 0 = greedy
+    top_k: np.ndarray  # [n] int32, 0 = off
+    top_p: np.ndarray  # [n] float32, 1 = off
+
+    @property
+    def filters(self) -> RowFilters:
+        return RowFilters(
+            any_sampled=bool((self.temperature > 0).any()),
+            any_top_k=bool(((self.top_k > 0) & (self.temperature > 0)).any()),
+            any_top_p=bool(((self.top_p < 1) & (self.temperature > 0)).any()),
+        )
+
+    def padded(self, n: int) -> RowSampling:
+        """n rows: padding rows copy the first row's settings (their samples are dropped)."""
+        extra = n - len(self.temperature)
+
+        def pad(x):
+            return np.concatenate([x, np.repeat(x[:1], extra)])
+
+        keys = jnp.concatenate([self.keys, jnp.broadcast_to(self.keys[0], (extra,))])
+        return RowSampling(keys, pad(self.temperature), pad(self.top_k), pad(self.top_p))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRows:
+    """What `decode` needs of each live row, in pass order."""
+
+    rows: Sequence[int]  # pool rows
+    last_token: Sequence[int]  # sampled, not yet in the cache
+    filled: Sequence[int]  # slots holding the row's tokens (the last token goes to this slot)
+    generated: Sequence[int]  # tokens sampled so far (the next one's key index)
+    max_new: Sequence[int]
+    sampling: RowSampling
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeResult:
+    tokens: np.ndarray  # [n, steps] new tokens, -1 after a row finished
+    logprobs: np.ndarray  # [n, steps]
+
+
+class SlotPool:
+    """`rows` cache rows of `slots` slots each (grown in window granules on demand)."""
+
+    def __init__(
+        self,
+        model: Decoder,
+        rows: int,
+        *,
+        eos_token_ids: Sequence[int],
+        max_cache_tokens: int | None = None,
+        mesh: Mesh | None = None,
+    ) -> None:
+        """On a `mesh`, rows (of the pool and of every pass) split over its data x fsdp
+        devices and key/value heads over tensor, as the static sampler's."""
+        if rows < 1:
+            raise ValueError(f"a slot pool needs >= 1 rows, got {rows}")
+        self.multiple = batch_multiple(mesh)
+        if rows % self.multiple:
+            raise ValueError(
+                f"{rows} slots do not split over the mesh's {self.multiple} data x fsdp "
+                "devices: use a multiple of it"
+            )
+        self.rows, self.max_cache_tokens, self.mesh = rows, max_cache_tokens, mesh
+        self.eos = tuple(sorted({int(t) for t in eos_token_ids})) or (-1,)
+        self._model = model
+        self.slots = 0
+        self.cache: KVCache | None = None
+        self.traces = 0  # programs compiled by this pool's passes
+
+        def count(fn):
+            @functools.wraps(fn)
+            def counted(*args, **kwargs):
+                self.traces += 1  # runs only while jax traces, i.e. once per compiled shape
+                return fn(*args, **kwargs)
+
+            return counted
+
+        statics = ("graphdef", "window", "filters", "mesh")
+        self._extend = jax.jit(count(_extend), static_argnames=statics, donate_argnames="cache")
+        self._decode = jax.jit(
+            count(_decode), static_argnames=(*statics, "steps", "eos"), donate_argnames="cache"
+        )
+
+    # -- capacity ----------------------------------------------------------------------------
+    def ensure_slots(self, needed: int) -> None:
+        """Grow every row to hold `needed` slots (existing rows keep their contents)."""
+        if needed <= self.slots and self.cache is not None:
+            return
+        slots = window_bucket(needed)
+        if self.max_cache_tokens is not None and self.rows * slots > self.max_cache_tokens:
+            raise ValueError(
+                f"a request needs {needed} cache slots; {self.rows} rows x {slots} slots exceed "
+                f"max_cache_tokens={self.max_cache_tokens}: raise it, lower the slots, or shorten "
+                "the prompts"
+            )
+        cfg, dtype = self._model.config, self._model.dtype
+        shape = (cfg.num_layers, self.rows, cfg.num_kv_heads)
+        where = None if self.mesh is None else cache_sharding(self.mesh)
+        fresh = KVCache(
+            jnp.zeros((*shape, cfg.head_dim, slots), dtype, device=where),
+            jnp.zeros((*shape, slots, cfg.head_dim), dtype, device=where),
+        )
+        self.cache = fresh if self.cache is None else _grown(self.cache, fresh)
+        self.slots = slots
+
+    def reset(self) -> None:
+        """Forget every row (after a failed pass, whose donated cache may be gone)."""
+        self.cache, self.slots = None, 0
+
+    # -- the passes ----------------------------------------------------------------------------
+    def extend(
+        self,
+        model: tuple[nnx.GraphDef, tuple[nnx.State, ...]],
+        *,
+        source_rows: Sequence[int],
+        rows: Sequence[int],
+        tokens: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        sampling: RowSampling,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Write each row's `tokens` at slots start..., on top of its source row's first
+        `start` slots, and sample its first token: (tokens [n], logprobs [n])."""
+        n = len(rows)
+        padded = self._padded(n)
+        width = bucket(max(map(len, tokens)), MIN_PROMPT_BUCKET, PROMPT_GRANULE)
+        ids = np.zeros((padded, width), np.int32)
+        for i, row_tokens in enumerate(tokens):
+            ids[i, : len(row_tokens)] = row_tokens
+        lengths = np.ones(padded, np.int32)
+        lengths[:n] = [len(t) for t in tokens]
+        start = np.zeros(padded, np.int32)
+        start[:n] = starts
+        window = window_bucket(int(start.max()) + width)
+        self.ensure_slots(window)
+        graphdef, states = model
+        self.cache, token, logprob = self._extend(
+            graphdef,
+            states,
+            self.cache,
+            self._pad_rows(source_rows, padded),
+            self._pad_rows(rows, padded),
+            ids,
+            start,
+            lengths,
+            sampling.padded(padded),
+            window=window,
+            filters=sampling.filters,
+            mesh=self.mesh,
+        )
+        token, logprob = jax.device_get((token, logprob))
+        return token[:n], logprob[:n]
+
+    def decode(
+        self, model: tuple[nnx.GraphDef, tuple[nnx.State, ...]], live: DecodeRows, steps: int
+    ) -> DecodeResult:
+        """Sample up to `steps` more tokens for every live row (fewer once all have finished)."""
+        n = len(live.rows)
+        padded = self._padded(n)
+        window = window_bucket(max(live.filled) + steps)
+        self.ensure_slots(window)
+
+        def pad(values, fill):
+            out = np.full(padded, fill, np.int32)
+            out[:n] = values
+            return out
+
+        graphdef, states = model
+        self.cache, tokens, logprobs = self._decode(
+            graphdef,
+            states,
+            self.cache,
+            self._pad_rows(live.rows, padded),
+            pad(live.last_token, 0),
+            pad(live.filled, 0),
+            pad(live.generated, 0),
+            pad(live.max_new, 0),  # padding rows start finished
+            live.sampling.padded(padded),
+            window=window,
+            filters=live.sampling.filters,
+            mesh=self.mesh,
+            steps=steps,
+            eos=self.eos,
+        )
+        tokens, logprobs = jax.device_get((tokens, logprobs))
+        return DecodeResult(tokens[:n], logprobs[:n])
+
+    def _padded(self, n: int) -> int:
+        return -(-batch_bucket(n) // self.multiple) * self.multiple
+
+    def _pad_rows(self, rows: Sequence[int], n: int) -> np.ndarray:
+        out = np.full(n, self.rows, np.int32)  # past the pool: reads clamp, writes drop
+        out[: len(rows)] = rows
+        return out
+
+
+@jax.jit
+def _grown(old: KVCache, fresh: KVCache) -> KVCache:
+    return KVCache(
+        jax.lax.dynamic_update_slice(fresh.keys, old.keys, (0,) * 5),
+        jax.lax.dynamic_update_slice(fresh.values, old.values, (0,) * 5),
+    )
+
+
+def _gather(cache: KVCache, rows: jax.Array, window: int, mesh: Mesh | None) -> KVCache:
+    part = KVCache(
+        jnp.take(cache.keys[..., :window], rows, axis=1, mode="clip"),
+        jnp.take(cache.values[:, :, :, :window], rows, axis=1, mode="clip"),
+    )
+    if mesh is None:
+        return part
+    kv = cache_sharding(mesh)
+    return jax.lax.with_sharding_constraint(part, KVCache(kv, kv))
+
+
+def _scatter(cache: KVCache, rows: jax.Array, part: KVCache, window: int) -> KVCache:
+    return KVCache(
+        cache.keys.at[:, rows, :, :, :window].set(part.keys, mode="drop"),
+        cache.values.at[:, rows, :, :window, :].set(part.values, mode="drop"),
+    )
+
+
+def _row_sample(logits, keys, index, sampling: RowSampling, filters: RowFilters):
+    return sample_rows(
+        logits,
+        fold_in_rows(keys, index),
+        jnp.asarray(sampling.temperature, jnp.float32),
+        jnp.asarray(sampling.top_k, jnp.int32),
+        jnp.asarray(sampling.top_p, jnp.float32),
+        filters,
+    )
+
+
+jax.tree_util.register_dataclass(
+    RowSampling, data_fields=["keys", "temperature", "top_k", "top_p"], meta_fields=[]
+)
+
+
+def _extend(
+    graphdef: nnx.GraphDef,
+    states: tuple[nnx.State, ...],  # merged with graphdef: the model
+    cache: KVCache,
+    source_rows: jax.Array,  # [n]
+    rows: jax.Array,  # [n]
+    tokens: jax.Array,  # [n, T] right-padded
+    starts: jax.Array,  # [n] first slot written
+    lengths: jax.Array,  # [n] real tokens of each row
+    sampling: RowSampling,
+    *,
+    window: int,
+    filters: RowFilters,
+    mesh: Mesh | None,
+) -> tuple[KVCache, jax.Array, jax.Array]:
+    model: Decoder = nnx.merge(graphdef, *states)
+    n, width = tokens.shape
+    part = _gather(cache, source_rows, window, mesh)
+    offsets = jnp.arange(width, dtype=jnp.int32)
+    positions = starts[:, None] + offsets
+    queries = jnp.where(offsets < lengths[:, None], positions, -1)  # padding sees nothing
+    mask = AttentionMask(queries, jnp.ones((n, window), bool))
+    hidden, part = model.hidden_states(tokens, positions, mask, part, slot=starts)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    token, logprob = _row_sample(model.logits(last), sampling.keys, 0, sampling, filters)
+    return _scatter(cache, rows, part, window), token, logprob
+
+
+def _decode(
+    graphdef: nnx.GraphDef,
+    states: tuple[nnx.State, ...],  # merged with graphdef: the model
+    cache: KVCache,
+    rows: jax.Array,  # [n]
+    last_token: jax.Array,  # [n]
+    filled: jax.Array,  # [n]
+    generated: jax.Array,  # [n]
+    max_new: jax.Array,  # [n]
+    sampling: RowSampling,
+    *,
+    window: int,
+    filters: RowFilters,
+    mesh: Mesh | None,
+    steps: int,
+    eos: tuple[int, ...],
+) -> tuple[KVCache, jax.Array, jax.Array]:
+    model: Decoder = nnx.merge(graphdef, *states)
+    n = rows.shape[0]
+    stop = jnp.asarray(eos, jnp.int32)
+    all_slots = jnp.ones((n, window), bool)
+
+    def cond(carry):
+        step, _, _, _, _, done, _, _ = carry
+        return (step < steps) & ~jnp.all(done)
+
+    def body(carry):
+        step, part, previous, filled, generated, done, tokens, logprobs = carry
+        # a finished row rewrites its last token's own slot: its cache stays what it was
+        mask = AttentionMask(filled[:, None], all_slots)
+        hidden, part = model.hidden_states(
+            previous[:, None], filled[:, None], mask, part, slot=filled
+        )
+        token, logprob = _row_sample(
+            model.logits(hidden[:, 0]), sampling.keys, generated, sampling, filters
+        )
+        live = ~done
+        step_live = live.astype(jnp.int32)
+        generated = generated + step_live
+        return (
+            step + 1,
+            part,
+            jnp.where(live, token, previous),
+            filled + step_live,
+            generated,
+            done | (live & (jnp.isin(token, stop) | (generated >= max_new))),
+            tokens.at[:, step].set(jnp.where(live, token, -1)),
+            logprobs.at[:, step].set(jnp.where(live, logprob, 0.0)),
+        )
+
+    init = (
+        jnp.array(0, jnp.int32),
+        _gather(cache, rows, window, mesh),
+        last_token,
+        filled,
+        generated,
+        generated >= max_new,
+        jnp.full((n, steps), -1, jnp.int32),
+        jnp.zeros((n, steps), jnp.float32),
+    )
+    _, part, *_, tokens, logprobs = jax.lax.while_loop(cond, body, init)
+    return _scatter(cache, rows, part, window), tokens, logprobs
