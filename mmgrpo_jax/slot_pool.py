@@ -102,15 +102,12 @@ class SlotPool:
         mesh: Mesh | None = None,
     ) -> None:
         """On a `mesh`, rows (of the pool and of every pass) split over its data x fsdp
-        devices and key/value heads over tensor, as the static sampler's."""
+        devices and key/value heads over tensor, as the static sampler's: the pool's rows round
+        up to a multiple of those devices."""
         if rows < 1:
             raise ValueError(f"a slot pool needs >= 1 rows, got {rows}")
         self.multiple = batch_multiple(mesh)
-        if rows % self.multiple:
-            raise ValueError(
-                f"{rows} slots do not split over the mesh's {self.multiple} data x fsdp "
-                "devices: use a multiple of it"
-            )
+        rows = -(-rows // self.multiple) * self.multiple
         self.rows, self.max_cache_tokens, self.mesh = rows, max_cache_tokens, mesh
         self.eos = tuple(sorted({int(t) for t in eos_token_ids})) or (-1,)
         self._model = model

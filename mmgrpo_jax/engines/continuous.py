@@ -10,11 +10,16 @@ token budget and key). Keys come from the request (DESIGN section 9), so a sampl
 depend on which requests it was scheduled with, or when: the engine returns what sampling each
 request alone would.
 
+While the pool has rows, the next pass waits (at most `max_wait_s`) until every registered
+caller is in the pool or queued: which requests share a pass then follows from the programs, not
+from thread timing, so a run samples alike every time (and after a resume).
+
 Prefix sharing: a slot keeps the tokens whose keys and values it holds until it is given to
-another request. A new request whose prompt starts with some of them (the G rollouts' first
-calls, a fixed system prompt and demos) is prefilled from the end of the shared part on top of a
-copy of that slot's cache. When the best source is another request admitted at the same time,
-the request waits for that one's pass (one pass later, in the same admission).
+another request or the weights change. A new request whose prompt starts with some of them (the
+G rollouts' first calls, a fixed system prompt and demos) is prefilled from the end of the
+shared part on top of a copy of that slot's cache, within its share group (one training step).
+When the best source is another request admitted at the same time, the request waits for that
+one's pass (one pass later, in the same admission).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from mmgrpo_jax.engines.base import Completion
+from mmgrpo_jax.engines.base import Completion, Request
 from mmgrpo_jax.engines.local import LocalEngine, Pending, schedule_order
 from mmgrpo_jax.sampling import check_arguments
 from mmgrpo_jax.slot_pool import DecodeRows, RowSampling, SlotPool
@@ -81,10 +86,13 @@ class ContinuousEngine(LocalEngine):
         prefix_sharing: bool = True,
         max_cache_tokens: int | None = None,
         mesh: Mesh | None = None,
+        prefill_chunk: int = 0,
     ) -> None:
-        """`slots` rows decode together at most; `decode_steps` tokens per jitted decode call
-        (between calls finished rows leave and queued requests join); `max_cache_tokens`
-        bounds slots x cache length (the pool grows with the longest request)."""
+        """`slots` rows decode together at most (on a mesh, rounded up to a multiple of its
+        data x fsdp devices); `decode_steps` tokens per jitted decode call (between calls
+        finished rows leave and queued requests join); `max_cache_tokens` bounds slots x cache
+        length (the pool grows with the longest request); `prefill_chunk` > 0 prefills at most
+        that many tokens of a prompt per pass."""
         super().__init__(
             model,
             stop_token_ids=stop_token_ids,
@@ -97,7 +105,10 @@ class ContinuousEngine(LocalEngine):
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         if max_cache_tokens is not None and max_cache_tokens < 1:
             raise ValueError(f"max_cache_tokens must be >= 1 or None, got {max_cache_tokens}")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
         self.decode_steps, self.prefix_sharing = decode_steps, prefix_sharing
+        self.prefill_chunk = prefill_chunk
         self._pool = SlotPool(
             model,
             slots,
@@ -106,17 +117,37 @@ class ContinuousEngine(LocalEngine):
             mesh=mesh,
         )
         self.mesh = mesh
+        self.max_batch = self._stats.max_batch = self._pool.rows
         self._eos = frozenset(self.stop_token_ids)
         self._live: dict[int, _Row] = {}  # slot -> its request
-        self._free: deque[int] = deque(range(slots))  # longest free first: keeps prefixes
-        self._held: dict[int, np.ndarray] = {}  # slot -> the tokens whose cache it holds
+        self._free: deque[int] = deque(range(self._pool.rows))  # longest free first: keeps prefixes
+        # slot -> (its request's share group, the tokens whose cache it holds)
+        self._held: dict[int, tuple[Any, np.ndarray]] = {}
+        self._weights_changed = False
         self._start()
 
     # -- the dispatcher ------------------------------------------------------------------------
+    def update_weights(self, params) -> None:
+        super().update_weights(params)
+        with self._cond:
+            self._weights_changed = True  # held caches are the old weights': never share them
+
+    # -- the dispatcher ------------------------------------------------------------------------
+    def _tick_ready(self, since: float) -> bool:
+        """The next pass may start. With rows in the pool: every registered caller is in it or
+        queued (so which requests share a pass does not depend on thread timing, and a run
+        samples alike every time), or `max_wait_s` passed since the last pass. With an empty
+        pool: a batch is ready, as for the static batcher. Call under the lock."""
+        if not self._live:
+            return self._batch_ready()
+        accounted = len(self._live) + len(self._pending) >= self._clients
+        return accounted or time.monotonic() - since >= self.max_wait_s
+
     def _dispatch_loop(self) -> None:
+        since = time.monotonic()
         while True:
             with self._cond:
-                while not self._closed and not self._live and not self._batch_ready():
+                while not self._closed and not self._tick_ready(since):
                     self._cond.wait(timeout=self.max_wait_s / 4)
                 if self._closed:
                     self._fail(
@@ -124,6 +155,9 @@ class ContinuousEngine(LocalEngine):
                         RuntimeError("the ContinuousEngine was closed"),
                     )
                     return
+                if self._weights_changed:
+                    self._held.clear()
+                    self._weights_changed = False
                 joining = sorted(self._pending, key=schedule_order)[: len(self._free)]
                 taken = {id(p) for p in joining}
                 self._pending = [p for p in self._pending if id(p) not in taken]
@@ -142,6 +176,7 @@ class ContinuousEngine(LocalEngine):
                 self._held.clear()
                 self._free = deque(range(self._pool.rows))
                 self._pool.reset()  # a failed pass may have consumed the donated cache
+            since = time.monotonic()
 
     def _admit(self, model, joining: list[Pending], keys: list) -> None:
         """Prefill the joining requests into free slots, in waves: a request whose best prefix
@@ -155,7 +190,7 @@ class ContinuousEngine(LocalEngine):
             wave_prompts: list[np.ndarray] = []
             for pending, key in waiting:
                 prompt = np.asarray(pending.request.prompt_ids)
-                source, shared = self._best_source(prompt)
+                source, shared = self._best_source(prompt, _share_group(pending.request))
                 # waiting a wave pays when a request of this wave holds much more of the prompt
                 gain = max((_common(prompt, other) for other in wave_prompts), default=0) - shared
                 if self.prefix_sharing and gain >= min(MIN_WAIT_GAIN, len(prompt) // 2) > 0:
@@ -185,13 +220,16 @@ class ContinuousEngine(LocalEngine):
         except ValueError as err:
             pending.future.set_exception(err)
 
-    def _best_source(self, prompt: np.ndarray) -> tuple[int, int]:
-        """(slot, tokens shared): the held prefix longest in common with the prompt, keeping
-        at least its last token to prefill (it samples the first new token)."""
+    def _best_source(self, prompt: np.ndarray, group: Any) -> tuple[int, int]:
+        """(slot, tokens shared): the held prefix of the same share group longest in common
+        with the prompt, keeping at least its last token to prefill (it samples the first new
+        token)."""
         if not self.prefix_sharing:
             return 0, 0
         best, shared = 0, 0
-        for slot, held in self._held.items():
+        for slot, (held_group, held) in self._held.items():
+            if held_group != group:
+                continue
             n = min(_common(prompt, held), len(prompt) - 1)
             if n > shared:
                 best, shared = slot, n
@@ -201,17 +239,37 @@ class ContinuousEngine(LocalEngine):
         started = time.perf_counter()
         now = time.monotonic()
         pendings = [j.pending for j in wave]
+        sampling = _row_sampling(pendings, [j.key for j in wave])
+        sources, starts = [j.source for j in wave], [j.shared for j in wave]
+        ends = [len(j.pending.request.prompt_ids) for j in wave]
+        chunk = self.prefill_chunk
+        while chunk and (long := [i for i, j in enumerate(wave) if ends[i] - starts[i] > chunk]):
+            # a chunk of every long prompt (its sample is not used): the next starts after it
+            self._pool.extend(
+                model,
+                source_rows=[sources[i] for i in long],
+                rows=[wave[i].slot for i in long],
+                tokens=[
+                    wave[i].pending.request.prompt_ids[starts[i] : starts[i] + chunk] for i in long
+                ],
+                starts=[starts[i] for i in long],
+                sampling=_row_sampling([pendings[i] for i in long], [wave[i].key for i in long]),
+            )
+            for i in long:
+                sources[i], starts[i] = wave[i].slot, starts[i] + chunk
         token, logprob = self._pool.extend(
             model,
-            source_rows=[j.source for j in wave],
+            source_rows=sources,
             rows=[j.slot for j in wave],
-            tokens=[j.pending.request.prompt_ids[j.shared :] for j in wave],
-            starts=[j.shared for j in wave],
-            sampling=_row_sampling(pendings, [j.key for j in wave]),
+            tokens=[
+                j.pending.request.prompt_ids[start:] for j, start in zip(wave, starts, strict=True)
+            ],
+            starts=starts,
+            sampling=sampling,
         )
         for j, first, first_logprob in zip(wave, token, logprob, strict=True):
             prompt = j.pending.request.prompt_ids
-            self._held[j.slot] = np.asarray(prompt)
+            self._held[j.slot] = (_share_group(j.pending.request), np.asarray(prompt))
             row = _Row(j.pending, j.key, prompt, [int(first)], [float(first_logprob)])
             self._live[j.slot] = row
             self._finish_if_done(j.slot, row)
@@ -264,12 +322,21 @@ class ContinuousEngine(LocalEngine):
         if not stopped and len(row.tokens) < row.pending.request.sampling.max_new_tokens:
             return
         del self._live[slot]
-        self._held[slot] = np.asarray(row.prompt + tuple(row.tokens[:-1]))
+        held = np.asarray(row.prompt + tuple(row.tokens[:-1]))
+        self._held[slot] = (_share_group(row.pending.request), held)
         self._free.append(slot)
         with self._cond:
             self._stats.requests += 1
         completion = Completion(row.tokens, row.logprobs, "stop" if stopped else "length")
         row.pending.future.set_result(completion)
+
+
+def _share_group(request: Request) -> Any:
+    """Requests share caches only within a group: the step of a keyed request (its key path's
+    first entry), or all unkeyed ones. A shared prefix rounds its cache slightly differently
+    from a whole prefill, so what a training step samples must not depend on what came before
+    it (an evaluation, the steps before a resume): it depends on its own requests only."""
+    return None if request.key_path is None else request.key_path[0]
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:

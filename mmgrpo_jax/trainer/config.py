@@ -24,6 +24,8 @@ from models.attention import IMPLEMENTATIONS, AttentionConfig
 from models.config import PRESETS
 from models.lora import LoRAConfig
 
+ENGINES = ("continuous", "static")
+
 
 def _bad(owner: object, field: str, rule: str) -> ValueError:
     return ValueError(f"{type(owner).__name__}.{field} {rule}, got {getattr(owner, field)!r}")
@@ -84,8 +86,17 @@ class SamplerConfig:
     # a larger batch is sampled in several calls; null = no bound (`mmgrpo plan` sizes it)
     max_cache_tokens: int | None = None
     max_wait_s: float = 0.05  # a batch closes early once its oldest request waited this long
+    # continuous: `batch` slots that requests join and leave between decode calls of
+    # `decode_steps` tokens (engines.continuous); static: batches decoded to their longest row
+    engine: Literal["continuous", "static"] = "continuous"
+    decode_steps: int = 8
+    prefix_sharing: bool = True  # continuous: prefill a prefix a slot holds once, copy it
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise _bad(self, "engine", f"must be one of {ENGINES}")
+        if self.decode_steps < 1:
+            raise _bad(self, "decode_steps", "must be >= 1")
         if not self.temperature > 0:
             raise _bad(self, "temperature", "must be > 0 (sampling and training share it)")
         if not 0 < self.top_p <= 1:

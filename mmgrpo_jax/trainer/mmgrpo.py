@@ -29,8 +29,10 @@ from tqdm.auto import tqdm
 
 from mmgrpo_jax import parallel
 from mmgrpo_jax.engines.base import RolloutEngine, Sampling
+from mmgrpo_jax.engines.continuous import ContinuousEngine
 from mmgrpo_jax.engines.jax_engine import JaxEngine
 from mmgrpo_jax.engines.lm import EngineLM
+from mmgrpo_jax.engines.local import LocalEngine
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM
@@ -122,21 +124,29 @@ def default_engine(
     stop_token_ids: Sequence[int],
     config: MMGRPOConfig,
     mesh: jax.sharding.Mesh | None = None,
-) -> JaxEngine:
-    """The JaxEngine a run samples through unless given another: the config's sampler batch,
-    wait and seed, receiving the trainable part of the model; requests split over the mesh's
-    data x fsdp devices when given one."""
-    return JaxEngine(
-        model,
-        mesh=mesh,
-        stop_token_ids=stop_token_ids,
-        trainable=config.trainable,
-        max_batch=config.sampler.batch,
-        max_wait_s=config.sampler.max_wait_s,
-        seed=config.seed,
-        prefill_chunk=config.memory.prefill_chunk,
-        max_cache_tokens=config.sampler.max_cache_tokens,
-    )
+) -> LocalEngine:
+    """The engine a run samples through unless given another (`sampler.engine`): the config's
+    slots or batch, wait and seed, receiving the trainable part of the model; rows split over
+    the mesh's data x fsdp devices when given one."""
+    sampler = config.sampler
+    common = {
+        "stop_token_ids": stop_token_ids,
+        "trainable": config.trainable,
+        "max_wait_s": sampler.max_wait_s,
+        "seed": config.seed,
+        "mesh": mesh,
+        "max_cache_tokens": sampler.max_cache_tokens,
+        "prefill_chunk": config.memory.prefill_chunk,
+    }
+    if sampler.engine == "continuous":
+        return ContinuousEngine(
+            model,
+            slots=sampler.batch,
+            decode_steps=sampler.decode_steps,
+            prefix_sharing=sampler.prefix_sharing,
+            **common,
+        )
+    return JaxEngine(model, max_batch=sampler.batch, **common)
 
 
 def check_run_dir(config: MMGRPOConfig) -> None:
@@ -210,7 +220,11 @@ RESUMABLE_FIELDS = frozenset(
         "max_skipped_updates",
         "failing_error_fraction",
         "max_failed_steps",
+        # how requests are scheduled, not what they sample (keys are per request)
         "sampler.max_wait_s",
+        "sampler.engine",
+        "sampler.decode_steps",
+        "sampler.prefix_sharing",
         # how much is recomputed, not what: a run that ran out of memory resumes with more remat
         *(f"memory.{f.name}" for f in dataclasses.fields(MemoryConfig)),
         # where it runs: samples are keyed per request, so neither the mesh nor the number of
