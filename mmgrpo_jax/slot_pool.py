@@ -19,7 +19,6 @@ window), so a long run compiles a bounded number of programs; `traces` counts th
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -113,21 +112,7 @@ class SlotPool:
         self._model = model
         self.slots = 0
         self.cache: KVCache | None = None
-        self.traces = 0  # programs compiled by this pool's passes
-
-        def count(fn):
-            @functools.wraps(fn)
-            def counted(*args, **kwargs):
-                self.traces += 1  # runs only while jax traces, i.e. once per compiled shape
-                return fn(*args, **kwargs)
-
-            return counted
-
-        statics = ("graphdef", "window", "filters", "mesh")
-        self._extend = jax.jit(count(_extend), static_argnames=statics, donate_argnames="cache")
-        self._decode = jax.jit(
-            count(_decode), static_argnames=(*statics, "steps", "eos"), donate_argnames="cache"
-        )
+        self.traces = 0  # programs this pool's passes compiled
 
     # -- capacity ----------------------------------------------------------------------------
     def ensure_slots(self, needed: int) -> None:
@@ -181,7 +166,8 @@ class SlotPool:
         window = window_bucket(int(start.max()) + width)
         self.ensure_slots(window)
         graphdef, states = model
-        self.cache, token, logprob = self._extend(
+        self.cache, token, logprob = self._compiling(
+            _extend_jit,
             graphdef,
             states,
             self.cache,
@@ -213,7 +199,8 @@ class SlotPool:
             return out
 
         graphdef, states = model
-        self.cache, tokens, logprobs = self._decode(
+        self.cache, tokens, logprobs = self._compiling(
+            _decode_jit,
             graphdef,
             states,
             self.cache,
@@ -231,6 +218,14 @@ class SlotPool:
         )
         tokens, logprobs = jax.device_get((tokens, logprobs))
         return DecodeResult(tokens[:n], logprobs[:n])
+
+    def _compiling(self, jitted, *args, **kwargs):
+        """Call a pass, counting the programs it compiled (the jit caches are shared by every
+        pool in the process, so a test's or a run's later engines reuse them)."""
+        before = jitted._cache_size()
+        out = jitted(*args, **kwargs)
+        self.traces += jitted._cache_size() - before
+        return out
 
     def _padded(self, n: int) -> int:
         return -(-batch_bucket(n) // self.multiple) * self.multiple
@@ -373,3 +368,8 @@ def _decode(
     )
     _, part, *_, tokens, logprobs = jax.lax.while_loop(cond, body, init)
     return _scatter(cache, rows, part, window), tokens, logprobs
+
+
+_STATICS = ("graphdef", "window", "filters", "mesh")
+_extend_jit = jax.jit(_extend, static_argnames=_STATICS, donate_argnames="cache")
+_decode_jit = jax.jit(_decode, static_argnames=(*_STATICS, "steps", "eos"), donate_argnames="cache")

@@ -28,7 +28,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from mmgrpo_jax import parallel
-from mmgrpo_jax.engines.base import RolloutEngine, Sampling
+from mmgrpo_jax.engines.base import EngineStats, RolloutEngine, Sampling
 from mmgrpo_jax.engines.continuous import ContinuousEngine
 from mmgrpo_jax.engines.jax_engine import JaxEngine
 from mmgrpo_jax.engines.lm import EngineLM
@@ -175,9 +175,10 @@ def step_metrics(
     advantages: Sequence[np.ndarray],
     update: dict[str, float],
     seconds: dict[str, float],
-    occupancy: float,
+    engine: EngineStats,
 ) -> dict[str, float]:
-    """Everything a step logs, gathered in one place."""
+    """Everything a step logs, gathered in one place. `engine`: the step's share of the
+    engine's stats (where the rollouts' time went: sampling, or the programs and tools)."""
     metrics: dict[str, float] = {k: float(v) for k, v in summarize(trajectories).items()}
     metrics["reward_std"] = float(np.std([t.reward for t in trajectories]))
     sampled = sum(len(c.completion_ids or ()) for t in trajectories for c in t.calls)
@@ -202,7 +203,15 @@ def step_metrics(
     if update:
         metrics.update(update)
         metrics["train_tokens_per_s"] = update["tokens"] / max(seconds["train"], 1e-9)
-    metrics["sampler_occupancy"] = occupancy
+    metrics["sampler_occupancy"] = engine.occupancy
+    metrics["time/queue_wait"] = engine.mean_queue_wait_s  # per request, submit to start
+    # programs compiled by the engine in this step (a resumed run compiles its shapes again)
+    metrics["perf/sampler_compiles"] = float(engine.compiles)
+    metrics["sampler_shared_prefix_tokens"] = float(engine.shared_prefix_tokens)
+    # the engine's own seconds in sampler calls; the rest of the rollouts' wall time is the
+    # programs' (and their tools') time not hidden behind sampling
+    metrics["time/sampling"] = engine.sample_s
+    metrics["time/program"] = max(seconds["rollout"] - engine.sample_s, 0.0)
     return metrics
 
 
@@ -284,7 +293,7 @@ class _StepRollouts:
     advantages: list[np.ndarray]
     rows: list[Row]
     seconds: dict[str, float]
-    occupancy: float
+    engine: EngineStats  # the step's share of the engine's stats
 
 
 class _Guard:
@@ -536,8 +545,8 @@ class MMGRPO:
             unit=rule.unit,
             mask_truncated_completions=cfg.mask_truncated_completions,
         )
-        occupancy = lm.stats.since(stats_before).occupancy  # this step's rollouts only
-        return _StepRollouts(trajectories, groups, advantages, rows, seconds, occupancy)
+        engine = lm.stats.since(stats_before)  # this step's rollouts only
+        return _StepRollouts(trajectories, groups, advantages, rows, seconds, engine)
 
     def _learn(
         self, rollouts: _StepRollouts, lm: EngineLM, learner: _Learner, guard: _Guard, step: int
@@ -552,10 +561,13 @@ class MMGRPO:
             shards = batch_multiple(self.mesh)
             batch = pack_rows(rollouts.rows, cfg.optim.micro_batch_size, pack_length, shards)
             padding = batch.padding_fraction
+            seconds["pack"] = time.perf_counter() - start
             update = self._update(learner, parallel.place_batch(batch, self.mesh), guard, step)
             update["padding_fraction"] = padding
+            synced = time.perf_counter()
             # the next rollouts use the update (each process's engine holds local arrays)
             lm.engine.update_weights(parallel.local_copy(learner.state.trainable))
+            seconds["weight_sync"] = time.perf_counter() - synced
             seconds["train"] = time.perf_counter() - start
         else:
             logger.warning("step %d produced no training rows; skipping the update", step + 1)
@@ -565,7 +577,7 @@ class MMGRPO:
             rollouts.advantages,
             update,
             seconds,
-            rollouts.occupancy,
+            rollouts.engine,
         )
         record = {"step": float(step + 1), "lr": float(cfg.optim.schedule(cfg.num_steps)(step))}
         self.log.log({**record, **metrics})
@@ -577,9 +589,12 @@ class MMGRPO:
         step refuses (keeps the old state for) an update whose loss, gradient norm or new
         weights are not finite; the guard stops the run after too many in a row."""
         state = learner.state
-        if self.config.num_iterations > 1:
-            old = learner.logprob_fn(state.trainable, learner.frozen, batch)
+        started = time.perf_counter()
+        logprob_s = 0.0
+        if self.config.num_iterations > 1:  # with one, the step's own pass gives the old ones
+            old = jax.block_until_ready(learner.logprob_fn(state.trainable, learner.frozen, batch))
             batch = batch.replace(old_logps=old)
+            logprob_s = time.perf_counter() - started
         first, skipped = None, 0
         for _ in range(self.config.num_iterations):
             state, metrics = learner.step_fn(state, learner.frozen, batch)
@@ -592,6 +607,8 @@ class MMGRPO:
         # the gap is measured before any update of this step: the first iteration's
         metrics["sampler_logprob_gap"] = first["sampler_logprob_gap"]
         metrics["skipped_updates"] = float(skipped)
+        metrics["time/logprob"] = logprob_s
+        metrics["time/update"] = time.perf_counter() - started - logprob_s
         return metrics
 
     # -- set-up and teardown -------------------------------------------------------------------

@@ -84,5 +84,5 @@ def _losses(line: str) -> tuple:
     return tuple(
         (k, round(v, 6))
         for k, v in sorted(row.items())
-        if not k.startswith("time/") and "per_s" not in k and k != "wall_seconds"
+        if not k.startswith(("time/", "perf/")) and "per_s" not in k and k != "wall_seconds"
     )

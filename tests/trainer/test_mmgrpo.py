@@ -117,14 +117,23 @@ def test_two_steps_train_only_lora_and_log_everything(tokenizer, tmp_path, group
             "lr",
             "sampler_logprob_gap",
             "time/rollout",
+            "time/sampling",
+            "time/program",
+            "time/logprob",
+            "time/update",
+            "time/weight_sync",
             "time/train",
             "sampler_occupancy",
+            "time/queue_wait",
+            "perf/sampler_compiles",
             "rollout_tokens_per_s",
             "train_tokens_per_s",
             "padding_fraction",
         ):
             assert np.isfinite(record[key]), key
         assert record["sampler_logprob_gap"] < 1e-4  # sampler and trainer agree before the update
+        assert 0 < record["time/sampling"] <= record["time/rollout"]
+        assert record["time/update"] <= record["time/train"]
         assert record["kl_mean"] > 0 or record is steps[0]
     name = "trajectory" if grouping == "trajectory" else "draft"
     assert f"groups/{name}" in steps[0]
