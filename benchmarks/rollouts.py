@@ -162,8 +162,11 @@ def main() -> None:
         for name, engine in engines.items()
     }
     results: dict[str, list[tuple[float, int]]] = {name: [] for name in engines}
+    compiled: dict[str, int] = {}  # compiles before the timed steps
     for step in range(args.warmup + args.steps):
         for name, lm in lms.items():
+            if step == args.warmup:
+                compiled[name] = lm.stats.compiles
             before = lm.stats.tokens
             start = time.perf_counter()
             trajectories = run_rollouts(
@@ -200,7 +203,8 @@ def main() -> None:
         print(
             f"{name:10s}: {rates[name]:8.1f} tokens/s, {np.median(seconds):6.2f} s/step (medians "
             f"of {len(runs)} steps), occupancy {stats.occupancy:.2f}, mean queue wait "
-            f"{stats.mean_queue_wait_s * 1e3:.0f} ms, compiles {stats.compiles or '-'}, shared "
+            f"{stats.mean_queue_wait_s * 1e3:.0f} ms, compiles {stats.compiles or '-'} (in timed "
+            f"steps {stats.compiles - compiled[name] if stats.compiles else '-'}), shared "
             f"prefix tokens {stats.shared_prefix_tokens}"
         )
     print(

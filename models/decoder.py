@@ -108,14 +108,14 @@ def _write_slots(
         start[axis] = slot
         return jax.lax.dynamic_update_slice(cache, new[None], tuple(start))
 
-    def write_row(row: jax.Array, row_new: jax.Array, row_slot: jax.Array) -> jax.Array:
-        start = [0, 0, 0]
-        start[axis - 2] = row_slot
-        return jax.lax.dynamic_update_slice(row, row_new, tuple(start))
-
-    rows = jax.lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False)
-    rows = jax.vmap(write_row)(rows, new, slot)
-    return jax.lax.dynamic_update_index_in_dim(cache, rows, layer, 0)
+    # one scatter of every row's T positions (a vmapped update_slice would copy the layer)
+    b, t = new.shape[0], new.shape[axis - 1]
+    rows = jnp.arange(b)[:, None]
+    slots = slot[:, None] + jnp.arange(t)[None, :]  # [B, T]; past the cache: dropped
+    moved = jnp.moveaxis(new, axis - 1, 1)  # [B, T, K, Dh]
+    if axis == 4:  # keys [layers, B, K, Dh, S]
+        return cache.at[layer, rows, :, :, slots].set(moved, mode="drop")
+    return cache.at[layer, rows, :, slots, :].set(moved, mode="drop")
 
 
 class MLP(nnx.Module):

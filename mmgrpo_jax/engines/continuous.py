@@ -40,6 +40,7 @@ from mmgrpo_jax.sampling import check_arguments
 from mmgrpo_jax.slot_pool import DecodeRows, RowSampling, SlotPool
 from models.decoder import Decoder
 
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per prefill pass: widths 16 ... 256 only
 MIN_WAIT_GAIN = 32  # tokens: a request waits a wave for a longer shared prefix than this
 
 
@@ -86,13 +87,13 @@ class ContinuousEngine(LocalEngine):
         prefix_sharing: bool = True,
         max_cache_tokens: int | None = None,
         mesh: Mesh | None = None,
-        prefill_chunk: int = 0,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> None:
         """`slots` rows decode together at most (on a mesh, rounded up to a multiple of its
         data x fsdp devices); `decode_steps` tokens per jitted decode call (between calls
         finished rows leave and queued requests join); `max_cache_tokens` bounds slots x cache
         length (the pool grows with the longest request); `prefill_chunk` > 0 prefills at most
-        that many tokens of a prompt per pass."""
+        that many tokens of a prompt per pass (so prefill shapes, and compiles, stay few)."""
         super().__init__(
             model,
             stop_token_ids=stop_token_ids,

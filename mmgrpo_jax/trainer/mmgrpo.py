@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from mmgrpo_jax import parallel
 from mmgrpo_jax.engines.base import EngineStats, RolloutEngine, Sampling
-from mmgrpo_jax.engines.continuous import ContinuousEngine
+from mmgrpo_jax.engines.continuous import DEFAULT_PREFILL_CHUNK, ContinuousEngine
 from mmgrpo_jax.engines.jax_engine import JaxEngine
 from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.engines.local import LocalEngine
@@ -136,17 +136,18 @@ def default_engine(
         "seed": config.seed,
         "mesh": mesh,
         "max_cache_tokens": sampler.max_cache_tokens,
-        "prefill_chunk": config.memory.prefill_chunk,
     }
+    chunk = config.memory.prefill_chunk
     if sampler.engine == "continuous":
         return ContinuousEngine(
             model,
             slots=sampler.batch,
             decode_steps=sampler.decode_steps,
             prefix_sharing=sampler.prefix_sharing,
+            prefill_chunk=chunk or DEFAULT_PREFILL_CHUNK,
             **common,
         )
-    return JaxEngine(model, max_batch=sampler.batch, **common)
+    return JaxEngine(model, max_batch=sampler.batch, prefill_chunk=chunk, **common)
 
 
 def check_run_dir(config: MMGRPOConfig) -> None:
