@@ -5,8 +5,10 @@ Llama (d_model 256 x 4 layers by default) from the same 4 prompts x 8 generation
 tokens, on this machine's CPU (torch limited to --threads; JAX uses the same cores). TRL gets the
 exact chat messages our program renders (`Predict("question -> answer", bare=True)`) and the same
 reward on the completion text. The seconds per step come from the difference of a short and a
-long run of each (--short and --long steps), so loading, compiling and set-up drop out. Ours also
-prints where a steady step's time goes (from its metrics.jsonl): rollouts (sampling) and update.
+long run of each (--short and --long steps, every run in a fresh process), so loading, compiling
+and set-up drop out. Ours also prints the median of its logged step times after the short run's
+steps, split into rollouts and update (its train step compiles again for new packed shapes,
+which the difference counts and a median mostly does not).
 
     .venv/bin/python benchmarks/train_step.py [--d-model 256 --layers 4 --short 2 --long 6]
 
@@ -19,6 +21,8 @@ import argparse
 import json
 import logging
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -135,6 +139,14 @@ def theirs(checkpoint: Path, steps: int, out_dir: Path, args) -> float:
     return time.perf_counter() - start
 
 
+def in_fresh_process(which: str, checkpoint: Path, steps: int, out: Path, argv: list[str]) -> float:
+    """Seconds of one run in its own process: no compile cache carries over between runs."""
+    command = [sys.executable, __file__, *argv, "--run", which, "--run-steps", str(steps)]
+    command += ["--checkpoint", str(checkpoint), "--out", str(out)]
+    subprocess.run(command, check=True)
+    return json.loads((out / "seconds.json").read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--d-model", type=int, default=256)
@@ -143,21 +155,40 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--short", type=int, default=2)
-    parser.add_argument("--long", type=int, default=6)
+    parser.add_argument("--long", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine", default="continuous", choices=["continuous", "static"])
     parser.add_argument("--skip-trl", action="store_true", help="time ours only")
+    parser.add_argument("--run", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--run-steps", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.getLogger("mmgrpo_jax").setLevel(logging.WARNING)
+    if args.run:  # one timed run, in a process of its own
+        run = ours if args.run == "ours" else theirs
+        out = run(args.checkpoint, args.run_steps, args.out, args)
+        seconds = out[0] if isinstance(out, tuple) else out
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "seconds.json").write_text(json.dumps(seconds))
+        return
+    argv = [a for a in sys.argv[1:]]
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_checkpoint(root / "ckpt", args)
-        ours_short, _ = ours(root / "ckpt", args.short, root / "ours_short", args)
-        ours_long, rows = ours(root / "ckpt", args.long, root / "ours_long", args)
+        ckpt = root / "ckpt"
+        ours_short = in_fresh_process("ours", ckpt, args.short, root / "ours_short", argv)
+        ours_long = in_fresh_process("ours", ckpt, args.long, root / "ours_long", argv)
+        rows = [
+            json.loads(line)
+            for line in (root / "ours_long" / "metrics.jsonl").read_text().splitlines()
+        ]
+        rows = [r for r in rows if "loss" in r]
         per_step = (ours_long - ours_short) / (args.long - args.short)
         steady = rows[args.short :]
+        step_s = [r["time/rollout"] + r["time/train"] for r in steady]
         print(
             f"model: llama d_model={args.d_model} layers={args.layers} vocab={args.vocab}, "
             f"float32, full fine-tuning; {len(QUESTIONS)} prompts x {args.generations} "
@@ -166,15 +197,17 @@ def main() -> None:
         )
         print(
             f"ours    : {per_step:6.2f} s/step ({args.short} steps {ours_short:.1f} s, "
-            f"{args.long} steps {ours_long:.1f} s); a steady step: rollouts "
+            f"{args.long} steps {ours_long:.1f} s); a step after the first {args.short}: "
+            f"{np.median(step_s):.2f} s (median; rollouts "
             f"{np.median([r['time/rollout'] for r in steady]):.2f} s, update "
             f"{np.median([r['time/train'] for r in steady]):.2f} s, padding "
-            f"{np.median([r['padding_fraction'] for r in steady]):.0%}"
+            f"{np.median([r['padding_fraction'] for r in steady]):.0%}, sampler compiles "
+            f"{sum(r['perf/sampler_compiles'] for r in steady):.0f})"
         )
         if args.skip_trl:
             return
-        theirs_short = theirs(root / "ckpt", args.short, root / "trl_short", args)
-        theirs_long = theirs(root / "ckpt", args.long, root / "trl_long", args)
+        theirs_short = in_fresh_process("trl", ckpt, args.short, root / "trl_short", argv)
+        theirs_long = in_fresh_process("trl", ckpt, args.long, root / "trl_long", argv)
         trl_step = (theirs_long - theirs_short) / (args.long - args.short)
         print(
             f"TRL     : {trl_step:6.2f} s/step ({args.short} steps {theirs_short:.1f} s, "

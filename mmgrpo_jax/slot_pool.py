@@ -1,19 +1,19 @@
-"""The continuous sampler's device side: a pool of KV-cache rows and two jitted passes over a
-compact set of them (DESIGN section 10).
+"""The continuous sampler's device side: a pool of KV-cache rows and two jitted passes over it
+(DESIGN section 10).
 
 Row r of the pool holds one sequence from slot 0 on: its prompt (the first part possibly copied
 from another row that holds the same prefix), then its sampled tokens; RoPE positions are slots.
-A pass gathers the rows it works on, cut to a window of the first W slots that every one of them
-fits in, runs on that compact batch, and scatters the rows back. So decode attends over filled
-slots only (rounded up to the window granule) and its batch is the number of live rows, not the
-pool's size. Padding rows of a pass name a row past the pool: their reads clamp, their writes drop.
+The pool's length grows in granules of 128 slots with the longest request it has held.
 
-`extend` writes prompts (or the part of each prompt after its shared prefix: the row is read
-from the donor and written to its own) and samples every row's first token; `decode` samples up
-to `steps` more tokens per row in one call. Every row has its own sampling settings and key
-(token i from fold_in(key, i), as in `sampling.generate`), so a row's tokens depend on neither
-its neighbours nor the moment it was scheduled. Shapes are bucketed (rows, prompt tokens,
-window), so a long run compiles a bounded number of programs; `traces` counts them.
+`extend` gathers the rows it prefills (from their prefix's donor row, or their own), writes each
+prompt's tokens after its shared part (at most a chunk at a time: the caller splits longer ones),
+samples every row's first token and scatters the rows back. `decode` runs up to `steps` tokens for
+every row of the pool in place, the cache donated; idle rows compute and discard (copying the
+live rows into a compact batch and back cost more on CPU than the idle rows' compute). Every
+row has its own sampling settings and key (token i from fold_in(key, i), as in
+`sampling.generate`), so a row's tokens depend on neither its neighbours nor the moment it was
+scheduled. Shapes are bucketed (rows and tokens of a prefill, the pool's length), so a long run
+compiles a bounded number of programs; `traces` counts this pool's.
 """
 
 from __future__ import annotations

@@ -41,6 +41,9 @@ from mmgrpo_jax.slot_pool import DecodeRows, RowSampling, SlotPool
 from models.decoder import Decoder
 
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per prefill pass: widths 16 ... 256 only
+# rows of one prefill pass: it gathers (copies) its rows whole, so this bounds the copy to a
+# share of the pool; powers of two up to it are the prefill's row shapes
+MAX_PREFILL_ROWS = 16
 MIN_WAIT_GAIN = 32  # tokens: a request waits a wave for a longer shared prefix than this
 
 
@@ -201,7 +204,8 @@ class ContinuousEngine(LocalEngine):
                 wave.append(_Joining(slot, source if shared else slot, shared, pending, key))
                 wave_prompts.append(prompt)
                 self._held.pop(slot, None)  # being rewritten: no longer a source
-            self._extend(model, wave)
+            for start in range(0, len(wave), MAX_PREFILL_ROWS):
+                self._extend(model, wave[start : start + MAX_PREFILL_ROWS])
             waiting = later
 
     def _check(self, pending: Pending) -> None:

@@ -5,8 +5,8 @@ client (a running rollout) has a request queued, or `max_batch` requests are que
 oldest has waited `max_wait_s`, then samples one batch per distinct sampling setting, decodes it
 until its longest row ends, and resolves each request's future. Rows of a batch are ordered by
 (example, rollout, call); unkeyed rows of a sampled batch draw from one fresh seed of the
-engine's stream. `ContinuousEngine` is the faster peer; this one stays as its reference and
-for meshes.
+engine's stream. `ContinuousEngine` is the default; this one stays as its reference
+(`sampler.engine=static`) and is what `mmgrpo plan` sizes.
 """
 
 from __future__ import annotations

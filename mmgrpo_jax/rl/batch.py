@@ -20,8 +20,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmgrpo_jax.rl.grouping import Group, Unit
-from mmgrpo_jax.sampling import length_bucket
+from mmgrpo_jax.sampling import LENGTH_GRANULE, length_bucket
 from mmgrpo_jax.shapes import bucket
+
+ROW_GRANULE = 64  # training rows up to LENGTH_GRANULE tokens: multiples of this past it
+
+
+def row_length_bucket(n: int) -> int:
+    """The padded length of a micro-batch whose longest row has n tokens: powers of two up to
+    64, multiples of 64 up to 512 (a 190-token row pads to 192, not 256: padding is a full
+    forward and backward pass), then the sampler's buckets (few shapes where compiles cost)."""
+    if n <= LENGTH_GRANULE:
+        return bucket(n, 16, ROW_GRANULE)
+    return length_bucket(n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +238,7 @@ def pack_rows(
     else:
         layout, placements = pack_layout(rows, micro_batch_size, pack_length)
     longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
-    length = length_bucket(longest)
+    length = row_length_bucket(longest)
     # packed: as many row slots as the fullest micro-batch needs (bucketed), one per row
     width = micro_batch_size if placements is None else bucket(max(map(len, layout)))
     width = -(-width // row_multiple) * row_multiple

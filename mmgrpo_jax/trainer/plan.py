@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from mmgrpo_jax.errors import UserError
-from mmgrpo_jax.rl.batch import Batch
+from mmgrpo_jax.rl.batch import Batch, row_length_bucket
 from mmgrpo_jax.rl.step import FrozenWeights, TrainState, make_train_step
 from mmgrpo_jax.sampling import (
     MIN_LENGTH_BUCKET,
@@ -242,7 +242,7 @@ def _train_step_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, A
     frozen = FrozenWeights(base, reference)
     b = config.optim.micro_batch_size
     longest = config.sampler.max_prompt_tokens + config.sampler.max_completion_tokens
-    length = length_bucket(longest)
+    length = row_length_bucket(longest)
     pack = config.memory.pack_length
     batch = abstract_batch(1, b, length, old_logps=config.num_iterations > 1, pack_length=pack)
     step = make_train_step(

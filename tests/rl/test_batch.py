@@ -163,3 +163,10 @@ def test_a_row_longer_than_the_pack_is_named():
     rows = make_rows(seed=1)
     with pytest.raises(ValueError, match=r"row of \d+ tokens does not fit memory.pack_length=8"):
         pack_rows(rows, micro_batch_size=2, pack_length=8)
+
+
+def test_row_lengths_pad_to_multiples_of_64_up_to_512():
+    from mmgrpo_jax.rl.batch import row_length_bucket
+
+    assert [row_length_bucket(n) for n in (1, 17, 64, 65, 190, 512)] == [16, 32, 64, 128, 192, 512]
+    assert [row_length_bucket(n) for n in (513, 6000)] == [1024, 6144]  # the sampler's buckets
