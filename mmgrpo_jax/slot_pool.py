@@ -163,7 +163,7 @@ class SlotPool:
         lengths[:n] = [len(t) for t in tokens]
         start = np.zeros(padded, np.int32)
         start[:n] = starts
-        self.ensure_slots(int(start.max()) + width)
+        self.ensure_slots(int((start + lengths).max()))  # padding's writes past it drop
         window = self.slots  # the whole row: one shape per pool length, not per prompt
         graphdef, states = model
         self.cache, token, logprob = self._compiling(
@@ -202,6 +202,8 @@ class SlotPool:
             out[rows] = values
             return out
 
+        # idle rows write past the pool (dropped): their caches may be prefixes others copy
+
         sampling = live.sampling.padded(self.rows)  # padding: the first row's settings
         order = np.full(self.rows, 0, np.int64)
         order[rows] = np.arange(n)
@@ -220,7 +222,7 @@ class SlotPool:
             states,
             self.cache,
             spread(live.last_token, 0),
-            spread(live.filled, 0),
+            spread(live.filled, self.slots),
             spread(live.generated, 0),
             spread(live.max_new, 0),  # idle rows start finished
             sampling,
@@ -345,7 +347,8 @@ def _decode(
 
     def body(carry):
         step, cache, previous, filled, generated, done, tokens, logprobs = carry
-        # a finished (or idle) row rewrites its last token's own slot: its cache stays as it was
+        # a row finished in this call rewrites its last token's own slot (the token's true cache);
+        # idle rows sit past the pool, so their writes drop
         mask = AttentionMask(filled[:, None], all_slots)
         hidden, cache = model.hidden_states(
             previous[:, None], filled[:, None], mask, cache, slot=filled

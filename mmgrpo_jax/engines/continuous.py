@@ -56,11 +56,21 @@ class _Row:
     prompt: tuple[int, ...]
     tokens: list[int]
     logprobs: list[float]
+    version: int  # of the weights its prompt was prefilled with
 
     @property
     def filled(self) -> int:
         """Slots holding its tokens: the prompt and every sampled token but the last."""
         return len(self.prompt) + len(self.tokens) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """What a slot's cache holds, for prefix sharing."""
+
+    group: Any  # its request's share group
+    version: int  # the weights it was computed with
+    tokens: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,16 +135,10 @@ class ContinuousEngine(LocalEngine):
         self._eos = frozenset(self.stop_token_ids)
         self._live: dict[int, _Row] = {}  # slot -> its request
         self._free: deque[int] = deque(range(self._pool.rows))  # longest free first: keeps prefixes
-        # slot -> (its request's share group, the tokens whose cache it holds)
-        self._held: dict[int, tuple[Any, np.ndarray]] = {}
-        self._weights_changed = False
+        # slot -> what its cache holds; only caches of the current weights are shared
+        self._held: dict[int, _Held] = {}
+        self._version = 0  # the weights version of this tick's passes
         self._start()
-
-    # -- the dispatcher ------------------------------------------------------------------------
-    def update_weights(self, params) -> None:
-        super().update_weights(params)
-        with self._cond:
-            self._weights_changed = True  # held caches are the old weights': never share them
 
     # -- the dispatcher ------------------------------------------------------------------------
     def _tick_ready(self, since: float) -> bool:
@@ -159,14 +163,22 @@ class ContinuousEngine(LocalEngine):
                         RuntimeError("the ContinuousEngine was closed"),
                     )
                     return
-                if self._weights_changed:
-                    self._held.clear()
-                    self._weights_changed = False
                 joining = sorted(self._pending, key=schedule_order)[: len(self._free)]
                 taken = {id(p) for p in joining}
                 self._pending = [p for p in self._pending if id(p) not in taken]
-                keys = [self._request_key(p.request) for p in joining]
+                keys = []
+                for p in joining:
+                    try:
+                        keys.append(self._request_key(p.request))
+                    except (ValueError, OverflowError) as err:  # a bad key path: its caller's
+                        p.future.set_exception(err)
+                        keys.append(None)
+                joining, keys = (
+                    [p for p in joining if not p.future.done()],
+                    [k for k in keys if k is not None],
+                )
                 graphdef, *states = self._model_states()
+                self._version = self._weights_version
             model = (graphdef, tuple(states))
             try:
                 if joining:
@@ -190,7 +202,7 @@ class ContinuousEngine(LocalEngine):
             self._check(pending)
         waiting = [(p, k) for p, k in waiting if not p.future.done()]
         while waiting:
-            wave, later = [], []
+            plans, later = [], []
             wave_prompts: list[np.ndarray] = []
             for pending, key in waiting:
                 prompt = np.asarray(pending.request.prompt_ids)
@@ -200,10 +212,25 @@ class ContinuousEngine(LocalEngine):
                 if self.prefix_sharing and gain >= min(MIN_WAIT_GAIN, len(prompt) // 2) > 0:
                     later.append((pending, key))
                     continue
-                slot = self._free.popleft()
-                wave.append(_Joining(slot, source if shared else slot, shared, pending, key))
+                plans.append((pending, key, source, shared))
                 wave_prompts.append(prompt)
+            # a slot another request of this wave copies from is not rewritten in this wave (a
+            # chunked prefill would overwrite it before the copy)
+            sources = {source for _, _, source, shared in plans if shared}
+            wave = []
+            for pending, key, source, shared in plans:
+                slot = next((s for s in self._free if s not in sources), None)
+                if slot is None:
+                    later.append((pending, key))
+                    continue
+                self._free.remove(slot)
                 self._held.pop(slot, None)  # being rewritten: no longer a source
+                wave.append(_Joining(slot, source if shared else slot, shared, pending, key))
+            if not wave:  # every free slot is a source: the first request prefills unshared
+                (pending, key), later = later[0], later[1:]
+                slot = self._free.popleft()
+                self._held.pop(slot, None)
+                wave.append(_Joining(slot, slot, 0, pending, key))
             for start in range(0, len(wave), MAX_PREFILL_ROWS):
                 self._extend(model, wave[start : start + MAX_PREFILL_ROWS])
             waiting = later
@@ -232,10 +259,10 @@ class ContinuousEngine(LocalEngine):
         if not self.prefix_sharing:
             return 0, 0
         best, shared = 0, 0
-        for slot, (held_group, held) in self._held.items():
-            if held_group != group:
+        for slot, held in self._held.items():
+            if held.group != group or held.version != self._version:
                 continue
-            n = min(_common(prompt, held), len(prompt) - 1)
+            n = min(_common(prompt, held.tokens), len(prompt) - 1)
             if n > shared:
                 best, shared = slot, n
         return best, shared
@@ -262,6 +289,8 @@ class ContinuousEngine(LocalEngine):
             )
             for i in long:
                 sources[i], starts[i] = wave[i].slot, starts[i] + chunk
+            with self._cond:
+                self._stats.dispatches += 1
         token, logprob = self._pool.extend(
             model,
             source_rows=sources,
@@ -274,8 +303,11 @@ class ContinuousEngine(LocalEngine):
         )
         for j, first, first_logprob in zip(wave, token, logprob, strict=True):
             prompt = j.pending.request.prompt_ids
-            self._held[j.slot] = (_share_group(j.pending.request), np.asarray(prompt))
-            row = _Row(j.pending, j.key, prompt, [int(first)], [float(first_logprob)])
+            group = _share_group(j.pending.request)
+            self._held[j.slot] = _Held(group, self._version, np.asarray(prompt))
+            row = _Row(
+                j.pending, j.key, prompt, [int(first)], [float(first_logprob)], self._version
+            )
             self._live[j.slot] = row
             self._finish_if_done(j.slot, row)
         with self._cond:
@@ -328,7 +360,7 @@ class ContinuousEngine(LocalEngine):
             return
         del self._live[slot]
         held = np.asarray(row.prompt + tuple(row.tokens[:-1]))
-        self._held[slot] = (_share_group(row.pending.request), held)
+        self._held[slot] = _Held(_share_group(row.pending.request), row.version, held)
         self._free.append(slot)
         with self._cond:
             self._stats.requests += 1

@@ -70,6 +70,7 @@ class LocalEngine:
         self._stats = EngineStats(max_batch=max_batch)
         self._seed = seed
         self._sampled_dispatches = 0  # draws of the unkeyed stream so far
+        self._weights_version = 0  # update_weights calls so far
         self._pending: list[Pending] = []
         self._clients = 0
         self._closed = False
@@ -101,6 +102,7 @@ class LocalEngine:
         )
         with self._cond:
             self._weights = copied
+            self._weights_version += 1
 
     @property
     def stats(self) -> EngineStats:

@@ -221,3 +221,30 @@ def test_stats_say_how_full_the_pool_was(model):
     assert 0.5 < stats.occupancy <= 1.0
     assert stats.sample_s > 0 and stats.queue_wait_s >= 0
     eng.close()
+
+
+def test_a_held_prefix_survives_the_decode_calls_after_its_row_finished(model):
+    """Idle rows sit in every in-place decode call: their writes must not touch what they hold."""
+    system = tuple(RNG.integers(4, 300, 60).tolist())
+    donor = Request(system + RAGGED[0], Sampling(max_new_tokens=2), key_path=(0, 0, 0, 0))
+    long = Request(RAGGED[1], Sampling(max_new_tokens=80), key_path=(0, 1, 0, 0))
+    later = Request(system + RAGGED[3], Sampling(max_new_tokens=6), key_path=(0, 2, 0, 0))
+    results = {}
+    for sharing in (True, False):
+        eng = engine(model, stop_token_ids=[], slots=4, decode_steps=2, prefix_sharing=sharing)
+        sample_all(eng, [donor, long])  # the donor idles through ~40 decode calls
+        results[sharing] = sample_all(eng, [later])
+        if sharing:
+            assert eng.stats.shared_prefix_tokens >= 60
+        eng.close()
+    assert_same(results[True], results[False])
+
+
+def test_a_bad_key_path_fails_its_caller_only(model):
+    eng = engine(model)
+    bad = eng.submit(Request(RAGGED[0], Sampling(max_new_tokens=3), key_path=(-1, 0, 0, 0)))
+    good = eng.submit(Request(RAGGED[1], Sampling(max_new_tokens=3), key_path=(0, 0, 0, 0)))
+    with pytest.raises(ValueError, match="key path"):
+        bad.result(timeout=60)
+    assert len(good.result(timeout=60).token_ids) == 3
+    eng.close()
