@@ -33,7 +33,7 @@ from models.attention import AttentionMask
 from models.decoder import Decoder, KVCache
 from models.sharding import batch_multiple, cache_sharding
 
-WINDOW_GRANULE = 128  # cache slots: the pool's length and every pass's window are multiples
+WINDOW_GRANULE = 128  # cache slots: the pool's length is a multiple
 PROMPT_GRANULE = 128  # prompt tokens of an extend pass: powers of two up to here, then multiples
 MIN_PROMPT_BUCKET = 16
 
@@ -59,15 +59,18 @@ class RowSampling:
             any_top_p=bool(((self.top_p < 1) & (self.temperature > 0)).any()),
         )
 
+    def select(self, index: np.ndarray) -> RowSampling:
+        """Row i of the result has row index[i]'s settings: a subset, or padding rows that
+        copy a real row's (their samples are dropped)."""
+        return RowSampling(
+            self.keys[index], self.temperature[index], self.top_k[index], self.top_p[index]
+        )
+
     def padded(self, n: int) -> RowSampling:
-        """n rows: padding rows copy the first row's settings (their samples are dropped)."""
-        extra = n - len(self.temperature)
-
-        def pad(x):
-            return np.concatenate([x, np.repeat(x[:1], extra)])
-
-        keys = jnp.concatenate([self.keys, jnp.broadcast_to(self.keys[0], (extra,))])
-        return RowSampling(keys, pad(self.temperature), pad(self.top_k), pad(self.top_p))
+        """n rows: padding rows copy the first row's settings."""
+        index = np.zeros(n, np.int64)
+        index[: len(self.temperature)] = np.arange(len(self.temperature))
+        return self.select(index)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +92,7 @@ class DecodeResult:
 
 
 class SlotPool:
-    """`rows` cache rows of `slots` slots each (grown in window granules on demand)."""
+    """`rows` cache rows of `slots` slots each (grown in granules of 128 on demand)."""
 
     def __init__(
         self,
@@ -105,6 +108,8 @@ class SlotPool:
         up to a multiple of those devices."""
         if rows < 1:
             raise ValueError(f"a slot pool needs >= 1 rows, got {rows}")
+        if max_cache_tokens is not None and max_cache_tokens < 1:
+            raise ValueError(f"max_cache_tokens must be >= 1 or None, got {max_cache_tokens}")
         self.multiple = batch_multiple(mesh)
         rows = -(-rows // self.multiple) * self.multiple
         self.rows, self.max_cache_tokens, self.mesh = rows, max_cache_tokens, mesh
@@ -163,8 +168,9 @@ class SlotPool:
         lengths[:n] = [len(t) for t in tokens]
         start = np.zeros(padded, np.int32)
         start[:n] = starts
-        self.ensure_slots(int((start + lengths).max()))  # padding's writes past it drop
-        window = self.slots  # the whole row: one shape per pool length, not per prompt
+        # the whole row (one shape per pool length, not per prompt); padding's writes past
+        # the rows' ends drop
+        self.ensure_slots(int((start + lengths).max()))
         graphdef, states = model
         self.cache, token, logprob = self._compiling(
             _extend_jit,
@@ -177,7 +183,6 @@ class SlotPool:
             start,
             lengths,
             sampling.padded(padded),
-            window=window,
             filters=sampling.filters,
             mesh=self.mesh,
         )
@@ -202,19 +207,8 @@ class SlotPool:
             out[rows] = values
             return out
 
-        # idle rows write past the pool (dropped): their caches may be prefixes others copy
-
-        sampling = live.sampling.padded(self.rows)  # padding: the first row's settings
-        order = np.full(self.rows, 0, np.int64)
-        order[rows] = np.arange(n)
-        idle = np.setdiff1d(np.arange(self.rows), rows)
-        order[idle] = np.arange(n, self.rows)
-        sampling = RowSampling(
-            sampling.keys[order],
-            sampling.temperature[order],
-            sampling.top_k[order],
-            sampling.top_p[order],
-        )
+        index = np.zeros(self.rows, np.int64)  # idle rows: the first live row's settings
+        index[rows] = np.arange(n)
         graphdef, states = model
         self.cache, tokens, logprobs = self._compiling(
             _decode_jit,
@@ -222,10 +216,10 @@ class SlotPool:
             states,
             self.cache,
             spread(live.last_token, 0),
-            spread(live.filled, self.slots),
+            spread(live.filled, self.slots),  # idle rows write past the pool: dropped
             spread(live.generated, 0),
             spread(live.max_new, 0),  # idle rows start finished
-            sampling,
+            live.sampling.select(index),
             filters=live.sampling.filters,
             mesh=self.mesh,
             steps=steps,
@@ -256,10 +250,10 @@ def _grown(old: KVCache, fresh: KVCache) -> KVCache:
     )
 
 
-def _gather(cache: KVCache, rows: jax.Array, window: int, mesh: Mesh | None) -> KVCache:
+def _gather(cache: KVCache, rows: jax.Array, mesh: Mesh | None) -> KVCache:
     part = KVCache(
-        jnp.take(cache.keys[..., :window], rows, axis=1, mode="clip"),
-        jnp.take(cache.values[:, :, :, :window], rows, axis=1, mode="clip"),
+        jnp.take(cache.keys, rows, axis=1, mode="clip"),
+        jnp.take(cache.values, rows, axis=1, mode="clip"),
     )
     if mesh is None:
         return part
@@ -267,10 +261,10 @@ def _gather(cache: KVCache, rows: jax.Array, window: int, mesh: Mesh | None) -> 
     return jax.lax.with_sharding_constraint(part, KVCache(kv, kv))
 
 
-def _scatter(cache: KVCache, rows: jax.Array, part: KVCache, window: int) -> KVCache:
+def _scatter(cache: KVCache, rows: jax.Array, part: KVCache) -> KVCache:
     return KVCache(
-        cache.keys.at[:, rows, :, :, :window].set(part.keys, mode="drop"),
-        cache.values.at[:, rows, :, :window, :].set(part.values, mode="drop"),
+        cache.keys.at[:, rows].set(part.keys, mode="drop"),
+        cache.values.at[:, rows].set(part.values, mode="drop"),
     )
 
 
@@ -301,21 +295,20 @@ def _extend(
     lengths: jax.Array,  # [n] real tokens of each row
     sampling: RowSampling,
     *,
-    window: int,
     filters: RowFilters,
     mesh: Mesh | None,
 ) -> tuple[KVCache, jax.Array, jax.Array]:
     model: Decoder = nnx.merge(graphdef, *states)
     n, width = tokens.shape
-    part = _gather(cache, source_rows, window, mesh)
+    part = _gather(cache, source_rows, mesh)
     offsets = jnp.arange(width, dtype=jnp.int32)
     positions = starts[:, None] + offsets
     queries = jnp.where(offsets < lengths[:, None], positions, -1)  # padding sees nothing
-    mask = AttentionMask(queries, jnp.ones((n, window), bool))
+    mask = AttentionMask(queries, jnp.ones((n, cache.keys.shape[-1]), bool))
     hidden, part = model.hidden_states(tokens, positions, mask, part, slot=starts)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     token, logprob = _row_sample(model.logits(last), sampling.keys, 0, sampling, filters)
-    return _scatter(cache, rows, part, window), token, logprob
+    return _scatter(cache, rows, part), token, logprob
 
 
 def _decode(
@@ -384,8 +377,9 @@ def _decode(
     return cache, tokens, logprobs
 
 
-_STATICS = ("graphdef", "window", "filters", "mesh")
-_extend_jit = jax.jit(_extend, static_argnames=_STATICS, donate_argnames="cache")
+_extend_jit = jax.jit(
+    _extend, static_argnames=("graphdef", "filters", "mesh"), donate_argnames="cache"
+)
 _decode_jit = jax.jit(
     _decode,
     static_argnames=("graphdef", "filters", "mesh", "steps", "eos"),

@@ -117,8 +117,6 @@ class ContinuousEngine(LocalEngine):
         )
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
-        if max_cache_tokens is not None and max_cache_tokens < 1:
-            raise ValueError(f"max_cache_tokens must be >= 1 or None, got {max_cache_tokens}")
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
         self.decode_steps, self.prefix_sharing = decode_steps, prefix_sharing
@@ -166,23 +164,18 @@ class ContinuousEngine(LocalEngine):
                 joining = sorted(self._pending, key=schedule_order)[: len(self._free)]
                 taken = {id(p) for p in joining}
                 self._pending = [p for p in self._pending if id(p) not in taken]
-                keys = []
+                admitted = []  # (request, its key)
                 for p in joining:
                     try:
-                        keys.append(self._request_key(p.request))
+                        admitted.append((p, self._request_key(p.request)))
                     except (ValueError, OverflowError) as err:  # a bad key path: its caller's
                         p.future.set_exception(err)
-                        keys.append(None)
-                joining, keys = (
-                    [p for p in joining if not p.future.done()],
-                    [k for k in keys if k is not None],
-                )
                 graphdef, *states = self._model_states()
                 self._version = self._weights_version
             model = (graphdef, tuple(states))
             try:
-                if joining:
-                    self._admit(model, joining, keys)
+                if admitted:
+                    self._admit(model, admitted)
                 if self._live:
                     self._decode(model)
             except Exception as err:  # every caller in the pool sees it; none hangs
@@ -194,10 +187,10 @@ class ContinuousEngine(LocalEngine):
                 self._pool.reset()  # a failed pass may have consumed the donated cache
             since = time.monotonic()
 
-    def _admit(self, model, joining: list[Pending], keys: list) -> None:
-        """Prefill the joining requests into free slots, in waves: a request whose best prefix
+    def _admit(self, model, admitted: list[tuple[Pending, Any]]) -> None:
+        """Prefill the admitted requests into free slots, in waves: a request whose best prefix
         source joins with it waits for that one's wave."""
-        waiting = list(zip(joining, keys, strict=True))
+        waiting = list(admitted)
         for pending, _ in waiting:
             self._check(pending)
         waiting = [(p, k) for p, k in waiting if not p.future.done()]
@@ -285,7 +278,7 @@ class ContinuousEngine(LocalEngine):
                     wave[i].pending.request.prompt_ids[starts[i] : starts[i] + chunk] for i in long
                 ],
                 starts=[starts[i] for i in long],
-                sampling=_row_sampling([pendings[i] for i in long], [wave[i].key for i in long]),
+                sampling=sampling.select(np.asarray(long)),
             )
             for i in long:
                 sources[i], starts[i] = wave[i].slot, starts[i] + chunk
