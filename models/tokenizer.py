@@ -7,11 +7,12 @@ special tokens again (the template already holds BOS), which is what vLLM and TR
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from models.config import CheckpointError
 
@@ -53,6 +54,9 @@ TEMPLATES = {
 }
 
 HFTokenizer = transformers.PreTrainedTokenizerBase
+
+# what build_word_tokenizer does with a word it does not know
+UNKNOWN_WORDS = ("unk", "drop")
 
 # what AutoTokenizer can build a fast tokenizer from without sentencepiece or tiktoken
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
@@ -127,15 +131,21 @@ def train_bpe_tokenizer(
 
 
 def build_word_tokenizer(
-    words: Sequence[str], template: str = "chatml"
+    words: Sequence[str], template: str = "chatml", unknown: str = "unk"
 ) -> transformers.PreTrainedTokenizerFast:
-    """A word-level tokenizer that knows only `words` (everything else is [UNK]).
+    """A word-level tokenizer that knows only `words`.
 
     For policies trained from scratch on toy programs: a vocabulary of a handful of content words
-    keeps a random policy's replies among the few answers that parse.
+    keeps a random policy's replies among the few answers that parse. `unknown` says what becomes
+    of every other word and of punctuation: "unk" encodes each as [UNK]; "drop" leaves it out, so
+    a prompt reads as its known words between the template's markers (a bare prompt of ~56
+    tokens, 53 of them [UNK], becomes 8: the input word is no longer one token in a sea of
+    identical ones that a from-scratch policy must learn to look past).
     """
     if template not in TEMPLATES:
         raise ValueError(f"template must be one of {sorted(TEMPLATES)}, got {template!r}")
+    if unknown not in UNKNOWN_WORDS:
+        raise ValueError(f"unknown must be one of {UNKNOWN_WORDS}, got {unknown!r}")
     chat_template, specials, eos, bos = TEMPLATES[template]
     duplicates = sorted({w for w in words if list(words).count(w) > 1})
     if duplicates or not words:
@@ -143,6 +153,13 @@ def build_word_tokenizer(
     vocab = {token: i for i, token in enumerate(["[UNK]", *specials, *words])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
+    if unknown == "drop":
+        # the markers are matched before normalisation, so they survive it
+        core.add_special_tokens(list(specials))
+        known = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
+        # what the Whitespace pre-tokenizer would cut into a word or a punctuation run, unless
+        # it is a known word
+        core.normalizer = normalizers.Replace(Regex(rf"\b(?!(?:{known})(?!\w))\w+|[^\w\s]+"), " ")
     core.decoder = decoders.WordPiece(prefix="##")  # joins words with single spaces
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token=eos, bos_token=bos, pad_token=eos, unk_token="[UNK]"

@@ -51,6 +51,7 @@ from mmgrpo_jax.trainer.run_lock import RunLock
 from mmgrpo_jax.trainer.run_log import write_atomic
 from models.config import ModelConfig
 from models.decoder import Decoder
+from models.tokenizer import UNKNOWN_WORDS
 from programs.testbeds import Testbed, testbed
 
 # Table 1's methods; "mmgrpo" is the demo itself
@@ -82,6 +83,9 @@ class DemoConfig:
     # the output head's init relative to LeCun's: small, so no seed starts with almost no mass
     # on the replies that parse (testing.word_policy)
     head_scale: float = 0.25
+    # what the policy reads of a prompt's words outside its vocabulary (build_word_tokenizer):
+    # "drop" leaves them out, "unk" reads each as [UNK] (the demo before 2026-12-02)
+    unknown_words: str = "drop"
     checkpoint_every: int = 50
     run_dir: str | None = None  # default: a new runs/demo-<time>-<suffix>
     resume: bool = False  # continue the run in run_dir from its newest checkpoint
@@ -106,6 +110,11 @@ class DemoConfig:
         if self.grouping not in ("module", "trajectory"):
             raise ValueError(
                 f"DemoConfig.grouping must be 'module' or 'trajectory', got {self.grouping!r}"
+            )
+        if self.unknown_words not in UNKNOWN_WORDS:
+            raise ValueError(
+                f"DemoConfig.unknown_words must be one of {UNKNOWN_WORDS}, "
+                f"got {self.unknown_words!r}"
             )
         if not self.head_scale >= 0:
             raise ValueError(f"DemoConfig.head_scale must be >= 0, got {self.head_scale}")
@@ -144,6 +153,7 @@ def tiny_policy(config: DemoConfig) -> tuple[Decoder, PreTrainedTokenizerFast]:
         num_layers=config.num_layers,
         seed=config.seed,
         head_scale=config.head_scale,
+        unknown=config.unknown_words,
     )
 
 

@@ -33,6 +33,7 @@ def word_policy(
     num_layers: int = 2,
     seed: int = 0,
     head_scale: float = 1.0,
+    unknown: str = "unk",
 ) -> tuple[Decoder, PreTrainedTokenizerFast]:
     """A from-scratch decoder over a word vocabulary (one token per word): the demo's policy.
 
@@ -41,11 +42,12 @@ def word_policy(
     program seed 2 gave the door words 3.7% of the mass and the answers 16%, so 99% of its
     trajectories failed to parse. At 0.25 every seed 0-9 starts within 15-25% (door) and
     36-45% (answer) of the mass, and the gradient still reaches the body at the first step
-    (a zero head would stop it there).
+    (a zero head would stop it there). `unknown` is `build_word_tokenizer`'s: what the policy
+    reads of the prompt's other words.
     """
     if not head_scale >= 0:
         raise ValueError(f"head_scale must be >= 0, got {head_scale}")
-    tokenizer = build_word_tokenizer(list(words))
+    tokenizer = build_word_tokenizer(list(words), unknown=unknown)
     model = tiny_decoder(len(tokenizer), hidden_size=hidden_size, num_layers=num_layers, seed=seed)
     if head_scale != 1.0:
         if model.lm_head is None:

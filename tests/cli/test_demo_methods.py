@@ -15,6 +15,8 @@ def test_an_unknown_method_is_refused_naming_it():
         DemoConfig(method="mipro")
     with pytest.raises(ValueError, match="prompt_candidates must be >= 2, got 1"):
         DemoConfig(method="prompt_opt", prompt_candidates=1)
+    with pytest.raises(ValueError, match=r"DemoConfig.unknown_words must be one of .* got 'unkn'"):
+        DemoConfig(unknown_words="unkn")
 
 
 def test_vanilla_scores_the_program_as_written_once(tmp_path):

@@ -2,7 +2,13 @@ import json
 
 import pytest
 
-from models.tokenizer import chat_prompt_ids, load_tokenizer, stop_token_ids, train_bpe_tokenizer
+from models.tokenizer import (
+    build_word_tokenizer,
+    chat_prompt_ids,
+    load_tokenizer,
+    stop_token_ids,
+    train_bpe_tokenizer,
+)
 
 CORPUS = ["The claim names a film, its director and the director's birthplace."] * 20
 MESSAGES = [
@@ -65,3 +71,43 @@ def test_missing_directory_and_template_are_errors(tmp_path):
         load_tokenizer(tmp_path / "plain")
     with pytest.raises(ValueError, match="template must be one of"):
         train_bpe_tokenizer(CORPUS, 300, "mistral")
+
+
+WORDS = ["amber", "birch", "left", "right"]
+DOOR_CALL = [
+    {"role": "system", "content": "Pick one.\n- door (Literal['left', 'right']): the door"},
+    {"role": "user", "content": "[[ ## clue ## ]]\namber amberish birch_2 birch"},
+]
+
+
+def test_a_word_tokenizer_reads_unknown_words_as_unk_or_leaves_them_out(tmp_path):
+    unk = build_word_tokenizer(WORDS)
+    tokens = unk.convert_ids_to_tokens(chat_prompt_ids(unk, DOOR_CALL))
+    known = ["left", "right", "<|im_end|>", "amber", "birch", "<|im_end|>"]
+    assert [t for t in tokens if t != "[UNK]"] == known
+    assert tokens.count("[UNK]") > 20
+
+    drop = build_word_tokenizer(WORDS, unknown="drop")
+    tokens = drop.convert_ids_to_tokens(chat_prompt_ids(drop, DOOR_CALL))
+    # a known word inside an unknown one (amberish, birch_2) is not read; the markers are kept
+    assert tokens == [
+        "<|im_start|>",
+        "left",
+        "right",
+        "<|im_end|>",
+        "<|im_start|>",
+        "amber",
+        "birch",
+        "<|im_end|>",
+        "<|im_start|>",
+    ]
+    # the same ids mean the same words, and a reply decodes as before
+    assert drop.get_vocab() == unk.get_vocab()
+    assert drop.decode(drop.encode("right", add_special_tokens=False)) == "right"
+    drop.save_pretrained(tmp_path)
+    assert chat_prompt_ids(load_tokenizer(tmp_path), DOOR_CALL) == chat_prompt_ids(drop, DOOR_CALL)
+
+
+def test_a_word_tokenizer_names_a_bad_unknown_mode():
+    with pytest.raises(ValueError, match=r"unknown must be one of .*got 'skip'"):
+        build_word_tokenizer(WORDS, unknown="skip")
