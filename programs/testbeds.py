@@ -11,7 +11,7 @@ asks; the README's "CPU testbeds" section says what the sweeps showed
 * `counter`: the policy decides how many times its module is called (go / stop), so rollouts of
   one input have different invocation counts: per-invocation-index groups need an align rule,
   and `truncate` drops the late calls, which are the ones that decide when to stop.
-* `weak_link`: two easy modules (always "amber") around one hard one (a word's successor in a
+* `weak_link`: two easy modules (always "yes") around one hard one (a word's successor in a
   hidden cycle); the reward is all-or-nothing, so with uniform credit the easy modules' calls
   carry the hard one's failures.
 * `long_chain`: one module called `length` times in a row (each hop: the next word), rewarded by
@@ -94,38 +94,45 @@ def counter_examples(repeats: int = 1) -> list[Example]:
 
 # -- weak_link: one hard module between two easy ones ---------------------------------------
 
-FIRST = CYCLE[0]
+AGREE = ("yes", "no")
 
 
 class WeakLink(Module):
-    """begin (word -> amber) -> shift (word -> its successor) -> end (word -> amber).
+    """begin (word -> yes) -> shift (word -> its successor) -> end (word -> yes).
 
     `begin` and `end` are easy (one constant reply, a bias to learn); `shift` is hard (a mapping
-    of its input). Every reply is a cycle word, so at a uniform start each call parses 4 times
-    in 11. The answer is shift's word, kept only when both easy calls said amber.
+    of its input). The easy modules reply from their own words (yes / no), not from the cycle's:
+    when they said "amber", the policy learnt amber for every call and shift collapsed onto it
+    (right for one input in four, every group flat). The answer is shift's word, kept only when
+    both easy calls said yes.
     """
 
     def __init__(self) -> None:
-        def word_module(output: str, description: str, instructions: str) -> Predict:
+        def agree(instructions: str) -> Predict:
             return Predict(
                 Signature(
                     (Field("word", str, "a word"),),
-                    (Field(output, Literal[CYCLE], description),),
+                    (Field("agree", Literal[AGREE], "yes to go on"),),
                     instructions,
                 ),
                 bare=True,
             )
 
-        # each instruction starts with a word of the vocabulary: the only way a word policy can
-        # tell the modules apart (their other prompt words are all [UNK] to it)
-        self.begin = word_module("first", "the first word of the cycle", "begin: the first word")
-        self.shift = word_module("next", "the word that follows it", "shift: the next word")
-        self.end = word_module("first", "the first word of the cycle", "end: the first word")
+        self.begin = agree("Begin the cycle at this word.")
+        self.shift = Predict(
+            Signature(
+                (Field("word", str, "a word"),),
+                (Field("next", Literal[CYCLE], "the word that follows it"),),
+                "Name the word that follows this one.",
+            ),
+            bare=True,
+        )
+        self.end = agree("End the cycle at this word.")
 
     def forward(self, word: str) -> Prediction:
-        opened = self.begin(word=word).first == FIRST
+        opened = self.begin(word=word).agree == "yes"
         successor = self.shift(word=word).next
-        closed = self.end(word=successor).first == FIRST
+        closed = self.end(word=successor).agree == "yes"
         return Prediction(answer=successor if opened and closed else "refused")
 
 
@@ -201,7 +208,7 @@ TESTBEDS = {
             lambda: word_examples(repeats=4),
             word_examples,
             exact_answer,
-            (*CYCLE, "begin", "shift", "end"),
+            (*CYCLE, *AGREE),
         ),
         Testbed(
             "long_chain",

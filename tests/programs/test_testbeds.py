@@ -20,8 +20,8 @@ def oracle(program, *, wrong: str | None = None) -> ScriptedLM:
         inputs = adapter.parse(Signature((), signature.inputs), messages[-1]["content"])
         right = {
             "step": lambda: "stop" if inputs["left"] in ("zero", "none") else "go",
-            "begin": lambda: "amber",
-            "end": lambda: "amber",
+            "begin": lambda: "yes",
+            "end": lambda: "yes",
             "shift": lambda: NEXT[inputs["word"]],
             "hop": lambda: NEXT[inputs["word"]],
             "door": lambda: testbeds.synthetic._RIGHT_DOOR[inputs["clue"]],
