@@ -6,7 +6,8 @@ started again, the sweep skips runs whose summary.json exists and resumes the ot
 launched in a fixed order and the report is rewritten after every finished run. The sweep
 folder is locked (one sweep per folder); children get SIGTERM if the sweep dies, even by
 SIGKILL (Linux, `sweep.child`), so they checkpoint and release their run folders instead of
-running orphaned.
+running orphaned. Runs go seed by seed (every cell's seed 0, then every cell's seed 1, ...), so
+a sweep stopped early compares its cells on the same seeds.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def run_sweep(
     sweep_dir = Path(config.out)
     with RunLock(sweep_dir):
         write_atomic(sweep_dir / "sweep.json", json.dumps(_describe(config), indent=2) + "\n")
-        plan = [(cell, seed) for cell in config.cells for seed in config.seeds]
+        plan = [(cell, seed) for seed in config.seeds for cell in config.cells]
         results: list[RunResult] = []
         todo = []
         for cell, seed in plan:

@@ -69,6 +69,18 @@ def test_sweep_runs_every_cell_and_seed_and_writes_the_report(tmp_path, fake_run
     ]
 
 
+def test_runs_go_seed_by_seed_so_a_stopped_sweep_pairs_its_cells(tmp_path, fake_runs, monkeypatch):
+    launched = []
+
+    def recorded(config, cell, seed):
+        launched.append((dict(cell.labels)["lr"], seed))
+        return fake_command_line(config, cell, seed)
+
+    monkeypatch.setattr(runner, "command_line", recorded)
+    run_sweep(_config(tmp_path / "sweep", seeds="0-1", jobs=1), progress=False)
+    assert launched == [("0.002", 0), ("0.004", 0), ("0.002", 1), ("0.004", 1)]
+
+
 def test_a_restarted_sweep_skips_finished_runs(tmp_path, fake_runs):
     config = _config(tmp_path / "sweep")
     run_sweep(config, progress=False)
