@@ -92,6 +92,18 @@ def counter_examples(repeats: int = 1) -> list[Example]:
     ]
 
 
+def successor() -> Predict:
+    """word -> the word after it in the cycle: the hard module of weak_link and long_chain."""
+    return Predict(
+        Signature(
+            (Field("word", str, "a word"),),
+            (Field("next", Literal[CYCLE], "the word that follows it"),),
+            "Name the word that follows this one.",
+        ),
+        bare=True,
+    )
+
+
 # -- weak_link: one hard module between two easy ones ---------------------------------------
 
 AGREE = ("yes", "no")
@@ -119,14 +131,7 @@ class WeakLink(Module):
             )
 
         self.begin = agree("Begin the cycle at this word.")
-        self.shift = Predict(
-            Signature(
-                (Field("word", str, "a word"),),
-                (Field("next", Literal[CYCLE], "the word that follows it"),),
-                "Name the word that follows this one.",
-            ),
-            bare=True,
-        )
+        self.shift = successor()
         self.end = agree("End the cycle at this word.")
 
     def forward(self, word: str) -> Prediction:
@@ -158,14 +163,7 @@ class LongChain(Module):
         if length < 1:
             raise ValueError(f"length must be >= 1, got {length}")
         self.length = length
-        self.hop = Predict(
-            Signature(
-                (Field("word", str, "a word"),),
-                (Field("next", Literal[CYCLE], "the word that follows it"),),
-                "Name the word that follows this one.",
-            ),
-            bare=True,
-        )
+        self.hop = successor()
 
     def forward(self, word: str) -> Prediction:
         path = [word]
