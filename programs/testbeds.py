@@ -13,7 +13,9 @@ asks; the README's "CPU testbeds" section says what the sweeps showed
   and `truncate` drops the late calls, which are the ones that decide when to stop.
 * `weak_link`: two easy modules (always "yes") around one hard one (a word's successor in a
   hidden cycle); the reward is all-or-nothing, so with uniform credit the easy modules' calls
-  carry the hard one's failures.
+  carry the hard one's failures. With one call per module and one-token replies, module- and
+  trajectory-level groups hold the same rewards and weigh each token alike (GRPO's loss): the
+  groupings differ only where a rollout stops early (a reply that does not parse).
 * `long_chain`: one module called `length` times in a row (each hop: the next word), rewarded by
   the fraction of right hops: trajectory-level groups give every hop its trajectory's advantage
   in one group; module-level groups normalise each invocation index on its own.
@@ -201,7 +203,7 @@ TESTBEDS = {
         ),
         Testbed(
             "weak_link",
-            "does module-level grouping teach the one hard module faster than uniform credit?",
+            "under uniform credit, do module-level groups teach the one hard module faster?",
             WeakLink,
             lambda: word_examples(repeats=4),
             word_examples,
