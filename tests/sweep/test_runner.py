@@ -220,7 +220,8 @@ def test_sigterm_stops_every_run_and_the_same_sweep_finishes_them(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "FAKE_STEP_SECONDS": "0.3"}
     out = tmp_path / "sweep"
     sweep = _sweep_process(out, env, "--jobs", "2")
-    checkpoints = [out / "runs" / "lr-0.002" / f"seed{s}" / "ckpt.json" for s in (0, 1)]
+    # runs go seed by seed: the first two are both cells' seed 0
+    checkpoints = [out / "runs" / f"lr-{lr}" / "seed0" / "ckpt.json" for lr in ("0.002", "0.004")]
     deadline = time.monotonic() + 120
     while not all(c.is_file() for c in checkpoints):  # both runs are under way
         assert time.monotonic() < deadline and sweep.poll() is None
