@@ -138,9 +138,11 @@ def build_word_tokenizer(
     For policies trained from scratch on toy programs: a vocabulary of a handful of content words
     keeps a random policy's replies among the few answers that parse. `unknown` says what becomes
     of every other word and of punctuation: "unk" encodes each as [UNK]; "drop" leaves it out, so
-    a prompt reads as its known words between the template's markers (a bare prompt of ~56
-    tokens, 53 of them [UNK], becomes 8: the input word is no longer one token in a sea of
-    identical ones that a from-scratch policy must learn to look past).
+    a prompt reads as its known words between the template's markers (the two-door program's
+    bare `door` prompt: 68 tokens, 63 of them [UNK], becomes 8; the input word is no longer one
+    token in a sea of identical ones that a from-scratch policy must learn to look past). With
+    "drop" the markers are special tokens, so a sampled marker decodes (skipping specials) to
+    nothing rather than to its text; either way it is not a reply that parses.
     """
     if template not in TEMPLATES:
         raise ValueError(f"template must be one of {sorted(TEMPLATES)}, got {template!r}")
@@ -150,6 +152,13 @@ def build_word_tokenizer(
     duplicates = sorted({w for w in words if list(words).count(w) > 1})
     if duplicates or not words:
         raise ValueError(f"words must be distinct and non-empty, got duplicates {duplicates}")
+    # the pre-tokenizer cuts text into runs of word characters and runs of punctuation
+    unencodable = [w for w in words if not re.fullmatch(r"\w+", w)]
+    if unencodable:
+        raise ValueError(
+            f"words must be letters, digits or _ only (the pre-tokenizer splits at anything "
+            f"else), got {unencodable}"
+        )
     vocab = {token: i for i, token in enumerate(["[UNK]", *specials, *words])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -142,11 +142,15 @@ _RIGHT_DOOR = {w: DOORS[i % 2] for i, w in enumerate(SIGN_WORDS)}
 class TwoDoors(Module):
     """door (clue -> left | right) -> tool: the sign behind it -> answer (sign -> word).
 
-    The right door shows the word after the clue's word, the wrong one a decoy. Only the answer
-    is scored. Why this shape: module `door` is right half the time at init, and module `answer`
-    sees only the sign, so it cannot win with a constant (4 answers) and copying the sign pays
-    exactly when `door` was right: each module's signal depends on the other, as in the paper's
-    programs, yet neither starts at zero. Both predictors are bare: one-word replies.
+    The right door shows the word after the clue's word, the wrong one a decoy (the word before
+    it). Only the answer is scored. Why this shape: module `door` is right half the time at init,
+    and module `answer` sees only the sign, so it cannot win with a constant (4 answers) and
+    copying the sign pays exactly when `door` was right: each module's signal depends on the
+    other, as in the paper's programs, yet neither starts at zero. Both predictors are bare:
+    one-word replies. One way round the door exists: with a constant door the four clues show
+    four different signs, so an answer module that maps each sign to its clue's answer (rather
+    than copying it) scores 1.0 alone. The demo's failing seeds are the ones that head there
+    (README, "Why seeds fail").
     """
 
     def __init__(self) -> None:

@@ -138,9 +138,9 @@ class WeakLink(Module):
 
     def forward(self, word: str) -> Prediction:
         opened = self.begin(word=word).agree == "yes"
-        successor = self.shift(word=word).next
-        closed = self.end(word=successor).agree == "yes"
-        return Prediction(answer=successor if opened and closed else "refused")
+        after = self.shift(word=word).next
+        closed = self.end(word=after).agree == "yes"
+        return Prediction(answer=after if opened and closed else "refused")
 
 
 def word_examples(repeats: int = 1, hops: int = 1) -> list[Example]:

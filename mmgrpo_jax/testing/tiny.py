@@ -35,7 +35,8 @@ def word_policy(
     head_scale: float = 1.0,
     unknown: str = "unk",
 ) -> tuple[Decoder, PreTrainedTokenizerFast]:
-    """A from-scratch decoder over a word vocabulary (one token per word): the demo's policy.
+    """A from-scratch decoder over a word vocabulary (one token per word): the demo's policy
+    (which reads prompts with unknown="drop"; the default keeps the tests' [UNK] prompts).
 
     `head_scale` multiplies the output head's random init. At 1.0 (LeCun normal) the head puts a
     seed-dependent bias on the replies that barely depends on the prompt: on the two-door

@@ -101,13 +101,17 @@ def test_a_word_tokenizer_reads_unknown_words_as_unk_or_leaves_them_out(tmp_path
         "<|im_end|>",
         "<|im_start|>",
     ]
-    # the same ids mean the same words, and a reply decodes as before
+    # the same ids mean the same words; a marker is a special token only where words drop
     assert drop.get_vocab() == unk.get_vocab()
-    assert drop.decode(drop.encode("right", add_special_tokens=False)) == "right"
+    reply = drop.encode("right<|im_start|>", add_special_tokens=False)
+    assert drop.decode(reply, skip_special_tokens=True) == "right"
+    assert unk.decode(reply, skip_special_tokens=True) == "right <|im_start|>"
     drop.save_pretrained(tmp_path)
     assert chat_prompt_ids(load_tokenizer(tmp_path), DOOR_CALL) == chat_prompt_ids(drop, DOOR_CALL)
 
 
-def test_a_word_tokenizer_names_a_bad_unknown_mode():
+def test_a_word_tokenizer_names_a_bad_unknown_mode_and_words_it_cannot_encode():
     with pytest.raises(ValueError, match=r"unknown must be one of .*got 'skip'"):
         build_word_tokenizer(WORDS, unknown="skip")
+    with pytest.raises(ValueError, match=r"letters, digits or _ only .*\[\"don't\", 'a-b'\]"):
+        build_word_tokenizer(["amber", "don't", "a-b"])
