@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import logging
 import sys
 import tempfile
 import time
@@ -54,10 +55,14 @@ from models.decoder import Decoder
 from models.tokenizer import UNKNOWN_WORDS
 from programs.testbeds import Testbed, testbed
 
+logger = logging.getLogger(__name__)
+
 # Table 1's methods; "mmgrpo" is the demo itself
 METHODS = ("mmgrpo", "vanilla", "prompt_opt", "better_together")
 # what a method run may change and still keep its finished summary
 RESUME_FREE = ("run_dir", "resume", "progress")
+# the demo fields the policy is built from, which MMGRPOConfig (checked on resume) does not hold
+POLICY_FIELDS = ("testbed", "hidden_size", "num_layers", "head_scale", "unknown_words")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +202,9 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     settings = mmgrpo_config(config, run_dir)
     parallel.initialize(settings.distributed)  # before anything touches a device
     check_run_dir(settings)  # before the model is built
+    if parallel.is_main_process():
+        with RunLock(run_dir):
+            record_policy(config, run_dir)
     model, tokenizer = tiny_policy(config)
     bed = testbed(config.testbed)
     optimizer = MMGRPO(
@@ -208,6 +216,31 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     )
     optimizer.compile(bed.program(), bed.trainset(), bed.valset())
     return {**optimizer.summary, "run_dir": str(run_dir)}
+
+
+def record_policy(config: DemoConfig, run_dir: Path) -> None:
+    """Write the policy's demo fields to run_dir/policy.json, or refuse to resume a run whose
+    checkpoints were trained on another policy (its weights would be read another way)."""
+    path = run_dir / "policy.json"
+    settings = {name: getattr(config, name) for name in POLICY_FIELDS}
+    if path.is_file():
+        old = json.loads(path.read_text())
+        changed = changed_keys(old, settings)
+        if changed:
+            raise UserError(
+                f"run_dir={str(run_dir)!r} holds a run of another policy "
+                f"({describe_changes(old, settings, changed)}): resume it with its own settings, "
+                "or choose another run_dir"
+            )
+        return
+    if config.resume and (run_dir / "checkpoints").is_dir():
+        logger.warning(
+            "%s has no policy.json (a run from before 2026-12-02): its policy settings %s "
+            "cannot be checked; recording this run's",
+            run_dir,
+            list(POLICY_FIELDS),
+        )
+    write_atomic(path, json.dumps(settings, indent=2))
 
 
 def run_method(config: DemoConfig, run_dir: Path) -> dict[str, Any]:

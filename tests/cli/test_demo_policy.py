@@ -1,0 +1,48 @@
+"""What the demo's policy reads, and the policy fields a resumed run must keep."""
+
+import json
+import logging
+
+import pytest
+
+from mmgrpo_jax.cli.demo import DemoConfig, record_policy, tiny_policy
+from mmgrpo_jax.errors import UserError
+from mmgrpo_jax.program import adapter
+from models.tokenizer import chat_prompt_ids
+from programs import testbeds
+
+
+def door_prompt(config: DemoConfig) -> list[str]:
+    _, tokenizer = tiny_policy(config)
+    door = testbeds.testbed(config.testbed).program().door
+    messages = adapter.render(door.signature, {"clue": "amber"}, bare=True)
+    return tokenizer.convert_ids_to_tokens(chat_prompt_ids(tokenizer, messages))
+
+
+def test_the_demo_policy_reads_known_words_only_unless_told_otherwise():
+    small = {"hidden_size": 8, "num_layers": 1}
+    assert door_prompt(DemoConfig(**small)) == [
+        "<|im_start|>",
+        "left",
+        "right",
+        "<|im_end|>",
+        "<|im_start|>",
+        "amber",
+        "<|im_end|>",
+        "<|im_start|>",
+    ]
+    assert door_prompt(DemoConfig(unknown_words="unk", **small)).count("[UNK]") > 50
+
+
+def test_a_resume_with_another_policy_is_refused_naming_the_field(tmp_path, caplog):
+    record_policy(DemoConfig(run_dir=str(tmp_path)), tmp_path)
+    assert json.loads((tmp_path / "policy.json").read_text())["unknown_words"] == "drop"
+    record_policy(DemoConfig(run_dir=str(tmp_path), resume=True), tmp_path)  # the same: kept
+    other = DemoConfig(run_dir=str(tmp_path), resume=True, unknown_words="unk", hidden_size=16)
+    with pytest.raises(UserError, match=r"another policy \(.*hidden_size: 32 -> 16"):
+        record_policy(other, tmp_path)
+    older = tmp_path / "older"
+    (older / "checkpoints").mkdir(parents=True)  # a run from before policy.json
+    with caplog.at_level(logging.WARNING):
+        record_policy(DemoConfig(run_dir=str(older), resume=True), older)
+    assert "has no policy.json" in caplog.text and (older / "policy.json").is_file()
