@@ -24,7 +24,9 @@ def test_the_tiny_policy_learns_the_long_chain(tmp_path):
 
 @pytest.mark.slow
 def test_the_tiny_policy_learns_when_to_stop_counting(tmp_path):
-    """150 steps: 0.0 -> 1.0 by step 70. A constant go or stop is right for one target of four."""
+    """150 steps: 0.0 -> 1.0 by step 70. A constant go or stop is right for one target of four.
+    Seeds 1, 4 and 8 collapse onto one reply (experiments/results/testbed_counter/): seed 0
+    learns there, but a change in numerics may move it to the other side."""
     summary = learnt(tmp_path, testbed="counter")
     assert summary["eval_reward_after"] >= 0.75
 
