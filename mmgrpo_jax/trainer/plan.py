@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -142,9 +141,9 @@ def check_fits(config: MMGRPOConfig) -> MemoryPlan | None:
             "loading is skipped (set it to have the run checked)"
         )
         return None
-    from models.hf import device_memory_bytes
+    from models.hf import checkpoint_config, device_memory_bytes
 
-    model_config = ModelConfig.from_file(Path(config.model_path) / "config.json")
+    model_config = checkpoint_config(config.model_path)
     # a GPU's bytes_limit is already the client's share (XLA_PYTHON_CLIENT_MEM_FRACTION applied)
     plan = plan_memory(
         config,
