@@ -45,6 +45,8 @@ from mmgrpo_jax.rl.step import (
     FrozenWeights,
     TrainState,
     TrainStep,
+    gradient_is_zero,
+    make_idle_step,
     make_logprob_fn,
     make_train_step,
     split_for_training,
@@ -352,6 +354,11 @@ class _Learner:
     frozen: FrozenWeights
     step_fn: TrainStep
     logprob_fn: Callable
+    idle_fn: Callable[[TrainState], TrainState]
+
+    def compiles(self) -> int:
+        """Programs compiled so far by the learner's jitted functions (all shapes)."""
+        return sum(fn._cache_size() for fn in (self.step_fn, self.logprob_fn, self.idle_fn))
 
 
 class MMGRPO:
@@ -478,7 +485,11 @@ class MMGRPO:
             _give_back(self.model, learner.state)
             if cfg.train == "lora" and parallel.is_main_process():
                 save_peft_adapter(self.model, self.run_dir / "adapter")
-            self.summary = self.log.close({"steps": cfg.num_steps, "grouping": cfg.grouping})
+            # steps whose gradient was zero ran no forward or backward pass (make_idle_step)
+            idle = int(sum(r.get("idle_update", 0.0) for r in self.log.history))
+            self.summary = self.log.close(
+                {"steps": cfg.num_steps, "grouping": cfg.grouping, "idle_updates": idle}
+            )
         return program
 
     def _finished(self, done: int) -> bool:
@@ -563,8 +574,15 @@ class MMGRPO:
             batch = pack_rows(rollouts.rows, cfg.optim.micro_batch_size, pack_length, shards)
             padding = batch.padding_fraction
             seconds["pack"] = time.perf_counter() - start
-            update = self._update(learner, parallel.place_batch(batch, self.mesh), guard, step)
+            compiles = learner.compiles()
+            if gradient_is_zero([row.advantage for row in rollouts.rows], cfg.resolved_loss):
+                update = self._idle_update(learner, batch)
+            else:
+                batch = parallel.place_batch(batch, self.mesh)
+                update = self._update(learner, batch, guard, step)
+            update.setdefault("idle_update", 0.0)
             update["padding_fraction"] = padding
+            update["perf/train_compiles"] = float(learner.compiles() - compiles)
             synced = time.perf_counter()
             # the next rollouts use the update (each process's engine holds local arrays)
             lm.engine.update_weights(parallel.local_copy(learner.state.trainable))
@@ -612,6 +630,24 @@ class MMGRPO:
         metrics["time/update"] = time.perf_counter() - started - logprob_s
         return metrics
 
+    def _idle_update(self, learner: _Learner, batch: Batch) -> dict[str, float]:
+        """The step's updates when its gradient is zero (every advantage 0, beta = 0): the
+        optimizer applied to zeros, no pass over the rows (make_idle_step)."""
+        started = time.perf_counter()
+        for _ in range(self.config.num_iterations):
+            learner.state = learner.idle_fn(learner.state)
+        jax.block_until_ready(learner.state)
+        tokens = float(np.sum(np.asarray(batch.loss_mask)))
+        return {
+            "idle_update": 1.0,
+            "loss": 0.0,
+            "grad_norm": 0.0,
+            "tokens": tokens,
+            "skipped_updates": 0.0,
+            "time/logprob": 0.0,
+            "time/update": time.perf_counter() - started,
+        }
+
     # -- set-up and teardown -------------------------------------------------------------------
     @staticmethod
     def _check_data(
@@ -648,7 +684,9 @@ class MMGRPO:
             chunk,
             state_sharding=parallel.shardings_of(state),
         )
-        return _Learner(state, frozen, step_fn, make_logprob_fn(graphdef, temperature, chunk))
+        idle_fn = make_idle_step(optimizer, state_sharding=parallel.shardings_of(state))
+        logprob_fn = make_logprob_fn(graphdef, temperature, chunk)
+        return _Learner(state, frozen, step_fn, logprob_fn, idle_fn)
 
     def _training_model(self) -> Decoder:
         """The model on the run's mesh: itself with one process (placed again: restore_weights

@@ -126,6 +126,7 @@ def test_two_steps_train_only_lora_and_log_everything(tokenizer, tmp_path, group
             "sampler_occupancy",
             "time/queue_wait",
             "perf/sampler_compiles",
+            "perf/train_compiles",
             "rollout_tokens_per_s",
             "train_tokens_per_s",
             "padding_fraction",
@@ -144,8 +145,44 @@ def test_two_steps_train_only_lora_and_log_everything(tokenizer, tmp_path, group
     assert summary["eval_reward_before"] == lines[0]["eval_reward"]
     assert summary["eval_reward_after"] == lines[-1]["eval_reward"]
     assert summary["wall_seconds"] > 0
+    assert summary["idle_updates"] == 0  # a KL term: no step's gradient is zero
+    assert steps[0]["perf/train_compiles"] >= 1 and steps[0]["idle_update"] == 0
     assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 1000
     assert any((tmp_path / "run" / "tensorboard").iterdir())
+
+
+def test_steps_whose_gradient_is_zero_run_no_pass_and_equal_the_full_step(tokenizer, tmp_path):
+    """A constant reward with beta = 0: every group has zero variance, so each step applies the
+    optimizer to zeros without a forward or backward pass, and the weights end as a run whose
+    every step took the full pass (the optimizer's decay moves them either way)."""
+    cfg = config(
+        tmp_path, num_steps=3, eval_every=100, optim=OptimConfig(lr=5e-2, weight_decay=0.1)
+    )
+    model, optimizer = run(tokenizer, cfg, metric=lambda example, prediction: 1.0)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [r for r in map(json.loads, lines) if "loss" in r]
+    assert [r["idle_update"] for r in steps] == [1.0, 1.0, 1.0]
+    assert all(r["grad_norm"] == 0 and r["tokens"] > 0 for r in steps)
+    assert optimizer.summary["idle_updates"] == 3
+    assert steps[0]["perf/train_compiles"] == 1 and steps[1]["perf/train_compiles"] == 0
+    idle_lora = jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))
+
+    full = dataclasses.replace(cfg, run_dir=str(tmp_path / "full"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("mmgrpo_jax.trainer.mmgrpo.gradient_is_zero", lambda *a: False)
+        full_model, _ = run(tokenizer, full, metric=lambda example, prediction: 1.0)
+    lines = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+    assert [r["idle_update"] for r in map(json.loads, lines) if "loss" in r] == [0.0, 0.0, 0.0]
+    full_lora = jax.tree.map(np.asarray, nnx.state(full_model, nnx.LoRAParam))
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), idle_lora, lora_of_new(tokenizer))
+    assert any(jax.tree.leaves(moved))  # weight decay moved them
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), idle_lora, full_lora
+    )
+
+
+def lora_of_new(tokenizer):
+    return jax.tree.map(np.asarray, nnx.state(new_model(tokenizer), nnx.LoRAParam))
 
 
 class RaiseAtCall:
