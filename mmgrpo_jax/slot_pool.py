@@ -8,8 +8,8 @@ The pool's length grows in granules of 128 slots with the longest request it has
 `extend` gathers the rows it prefills (from their prefix's donor row, or their own), writes each
 prompt's tokens after its shared part (at most a chunk at a time: the caller splits longer ones),
 samples every row's first token and scatters the rows back. `decode` runs up to `steps` tokens for
-every row of the pool in place, the cache donated; idle rows compute and discard (copying the
-live rows into a compact batch and back cost more on CPU than the idle rows' compute). Every
+a power-of-two bucket of rows holding the live ones (gathered and scattered back), or for the
+whole pool in place when the bucket is the pool, the cache donated. Every
 row has its own sampling settings and key (token i from fold_in(key, i), as in
 `sampling.generate`), so a row's tokens depend on neither its neighbours nor the moment it was
 scheduled. Shapes are bucketed (rows and tokens of a prefill, the pool's length), so a long run
@@ -89,6 +89,7 @@ class DecodeRows:
 class DecodeResult:
     tokens: np.ndarray  # [n, steps] new tokens, -1 after a row finished
     logprobs: np.ndarray  # [n, steps]
+    width: int  # rows the pass computed (a bucket of the live rows, or the whole pool)
 
 
 class SlotPool:
@@ -194,27 +195,36 @@ class SlotPool:
     ) -> DecodeResult:
         """Sample up to `steps` more tokens for every live row (fewer once all have finished).
 
-        Decode runs on the whole pool in place (the cache is donated, each row writes its own
-        slot): a copy of the live rows in and out of a compact batch cost more than the idle
-        rows' compute (measured on CPU: ~45 ms a call at 32 rows x 512 slots, 5 decode steps).
+        The pass computes a power-of-two bucket of rows that holds the live ones (8 live
+        requests cost ~8 rows, not the pool's): those rows are gathered from the pool, decoded
+        and scattered back, the cache donated. When the bucket is the whole pool it decodes in
+        place, idle rows computing and discarding. On SmolLM2-135M a row's decode step is its
+        ~135M multiply-adds (the lm_head alone 28M), far more than copying its cache row.
         """
         n = len(live.rows)
         self.ensure_slots(max(live.filled) + steps)
         rows = np.asarray(live.rows)
+        width = min(-(-bucket(n) // self.multiple) * self.multiple, self.rows)
+        if width < self.rows:  # live rows first, then idle rows as padding (distinct rows)
+            idle = np.setdiff1d(np.arange(self.rows), rows)[: width - n]
+            pass_rows, at = np.concatenate([rows, idle]).astype(np.int32), np.arange(n)
+        else:
+            pass_rows, at = None, rows
 
         def spread(values, fill):
-            out = np.full(self.rows, fill, np.int32)
-            out[rows] = values
+            out = np.full(width, fill, np.int32)
+            out[at] = values
             return out
 
-        index = np.zeros(self.rows, np.int64)  # idle rows: the first live row's settings
-        index[rows] = np.arange(n)
+        index = np.zeros(width, np.int64)  # idle rows: the first live row's settings
+        index[at] = np.arange(n)
         graphdef, states = model
         self.cache, tokens, logprobs = self._compiling(
             _decode_jit,
             graphdef,
             states,
             self.cache,
+            pass_rows,
             spread(live.last_token, 0),
             spread(live.filled, self.slots),  # idle rows write past the pool: dropped
             spread(live.generated, 0),
@@ -226,7 +236,7 @@ class SlotPool:
             eos=self.eos,
         )
         tokens, logprobs = jax.device_get((tokens, logprobs))
-        return DecodeResult(tokens[rows], logprobs[rows])
+        return DecodeResult(tokens[at], logprobs[at], width)
 
     def _compiling(self, jitted, *args, **kwargs):
         """Call a pass, counting the programs it compiled (the jit caches are shared by every
@@ -314,7 +324,8 @@ def _extend(
 def _decode(
     graphdef: nnx.GraphDef,
     states: tuple[nnx.State, ...],  # merged with graphdef: the model
-    cache: KVCache,  # the whole pool, updated in place
+    pool: KVCache,  # the whole pool, updated in place
+    pass_rows: jax.Array | None,  # [R] pool rows this pass computes; None: all, in place
     last_token: jax.Array,  # [R]
     filled: jax.Array,  # [R]
     generated: jax.Array,  # [R]
@@ -327,6 +338,7 @@ def _decode(
     eos: tuple[int, ...],
 ) -> tuple[KVCache, jax.Array, jax.Array]:
     model: Decoder = nnx.merge(graphdef, *states)
+    cache = pool if pass_rows is None else _gather(pool, pass_rows, mesh)
     rows, slots = cache.keys.shape[1], cache.keys.shape[-1]
     stop = jnp.asarray(eos, jnp.int32)
     all_slots = jnp.ones((rows, slots), bool)
@@ -374,6 +386,8 @@ def _decode(
         jnp.zeros((rows, steps), jnp.float32),
     )
     _, cache, *_, tokens, logprobs = jax.lax.while_loop(cond, body, init)
+    if pass_rows is not None:
+        cache = _scatter(pool, pass_rows, cache)
     return cache, tokens, logprobs
 
 
@@ -383,5 +397,5 @@ _extend_jit = jax.jit(
 _decode_jit = jax.jit(
     _decode,
     static_argnames=("graphdef", "filters", "mesh", "steps", "eos"),
-    donate_argnames="cache",
+    donate_argnames="pool",
 )

@@ -1,4 +1,5 @@
-"""The paper's tasks by name: program, metric and splits built from one config section.
+"""The paper's tasks by name, and the real-LM tier's `capitals`: program, metric and splits built
+from one config section.
 
 PAPILLON's untrusted LM and judge, and HoVer's retriever, are chosen here: an OpenAI-compatible
 server when `base_url` is set, else the local frozen base model (`local_lm`, supplied by the
@@ -17,13 +18,13 @@ from mmgrpo_jax.engines.openai_lm import OpenAICompatibleLM
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.rl.types import Metric
-from programs import banking77, hover, papillon
+from programs import banking77, capitals, hover, papillon
 from programs.data import Splits
 from programs.retrieval import DEFAULT_CACHE, BM25Retriever, ColBERTv2Client
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("banking77", "papillon", "hover")
+TASKS = ("banking77", "papillon", "hover", "capitals")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,8 @@ def load_splits(cfg: TaskConfig) -> Splits:
         return banking77.load_banking77(cfg.data_dir, cfg.split_seed)
     if cfg.name == "papillon":
         return papillon.load_pupa(cfg.data_dir)
+    if cfg.name == "capitals":
+        return capitals.load_capitals(cfg.split_seed)
     return hover.load_hover(cfg.data_dir, cfg.split_seed)
 
 
@@ -125,5 +128,7 @@ def build_task(cfg: TaskConfig, local_lm: LocalLM | None = None) -> Task:
         )
         judge = papillon.PapillonJudge(external_or_local_lm(cfg.judge_lm, local_lm, "judge LM"))
         return Task(program, judge, splits)
+    if cfg.name == "capitals":
+        return Task(capitals.Capitals(), capitals.capital_match, splits)
     program = hover.HoverMultiHop(_retriever(cfg), cfg.hops, cfg.passages_per_hop)
     return Task(program, hover.title_recall, splits)

@@ -43,6 +43,7 @@ from mmgrpo_jax.trainer.mmgrpo import (
 from mmgrpo_jax.trainer.plan import check_fits
 from models.decoder import Decoder
 from models.export import adapter_lora_config, load_peft_adapter, save_peft_adapter, without_lora
+from models.fetch import MODELS, resolve_model_path
 from models.hf import load_checkpoint
 from models.tokenizer import HFTokenizer
 from programs.tasks import (
@@ -105,10 +106,10 @@ class EvalConfig:
     out: str | None = None  # predictions JSONL; default runs/eval-<task>-<split>-<time>.jsonl
 
     def __post_init__(self) -> None:
-        if not self.model_path or not Path(self.model_path).is_dir():
+        if not self.model_path or not resolve_model_path(self.model_path).exists():
             raise ValueError(
-                f"EvalConfig.model_path={self.model_path!r} is not a directory (a local Hugging "
-                "Face checkpoint)"
+                f"EvalConfig.model_path={self.model_path!r} is neither a checkpoint folder, a "
+                f"GGUF file nor a fetched registry model ({sorted(MODELS)})"
             )
         if self.adapter_path is not None and not Path(self.adapter_path).is_dir():
             raise ValueError(f"EvalConfig.adapter_path={self.adapter_path!r} is not a directory")

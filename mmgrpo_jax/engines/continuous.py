@@ -343,7 +343,7 @@ class ContinuousEngine(LocalEngine):
             stats.dispatches += 1
             stats.tokens += new_tokens
             stats.row_steps += new_tokens
-            stats.slot_steps += steps * self._pool.rows
+            stats.slot_steps += steps * result.width
             stats.sample_s += time.perf_counter() - started
             stats.compiles = self._pool.traces
 

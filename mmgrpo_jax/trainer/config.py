@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import optax
@@ -22,6 +21,7 @@ from mmgrpo_jax.rl.grouping import ALIGN_MODES, grouping_rule
 from mmgrpo_jax.rl.losses import VARIANTS, LossConfig
 from models.attention import IMPLEMENTATIONS, AttentionConfig
 from models.config import PRESETS
+from models.fetch import MODELS, resolve_model_path
 from models.lora import LoRAConfig
 
 ENGINES = ("continuous", "static")
@@ -241,7 +241,9 @@ class MMGRPOConfig:
     seed: int = 0
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     train: Literal["lora", "full"] = "lora"
-    model_path: str | None = None  # a local HF checkpoint, when no model is passed in
+    # a local HF checkpoint folder, a GGUF, or a fetched registry model's name (smollm2-135m),
+    # when no model is passed in
+    model_path: str | None = None
     model_shape: str | None = None  # a preset shape (qwen3-8b, ...): `mmgrpo plan` without it
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     run_dir: str = "runs/mmgrpo"
@@ -280,8 +282,12 @@ class MMGRPOConfig:
             raise _bad(self, "dtype", "must be 'bfloat16' or 'float32'")
         if self.model_shape is not None and self.model_shape not in PRESETS:
             raise _bad(self, "model_shape", f"must be a preset: one of {sorted(PRESETS)}")
-        if self.model_path is not None and not Path(self.model_path).is_dir():
-            raise _bad(self, "model_path", "is not a directory (a local Hugging Face checkpoint)")
+        if self.model_path is not None and not resolve_model_path(self.model_path).exists():
+            raise _bad(
+                self,
+                "model_path",
+                f"is neither a checkpoint folder, a GGUF file nor a registry model ({MODELS})",
+            )
         pack, prompt = self.memory.pack_length, self.sampler.max_prompt_tokens
         longest = None if prompt is None else prompt + self.sampler.max_completion_tokens
         if pack and longest is not None and pack < longest:

@@ -105,6 +105,9 @@ class RunLogger:
         full = {
             "eval_reward_before": evals[0] if evals else None,
             "eval_reward_after": evals[-1] if evals else None,
+            # what training added on the eval split (a sweep's score for a pretrained policy,
+            # whose start is not 0)
+            "eval_reward_gain": evals[-1] - evals[0] if evals else None,
             "wall_seconds": self.elapsed,
             **summary,
         }

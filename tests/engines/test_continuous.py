@@ -248,3 +248,27 @@ def test_a_bad_key_path_fails_its_caller_only(model):
         bad.result(timeout=60)
     assert len(good.result(timeout=60).token_ids) == 3
     eng.close()
+
+
+def test_a_few_live_requests_decode_a_bucket_of_rows_not_the_pool(model):
+    """3 requests in a pool of 16 rows: a decode pass computes the power-of-two bucket of rows
+    that holds the live ones (4, or 1-2 while a request still waits to join), gathered from the
+    pool and scattered back, and samples what one `generate` call samples."""
+    eng = engine(model, slots=16, stop_token_ids=[], decode_steps=3)
+    settings = [Sampling(max_new_tokens=10, temperature=0)] * 2 + [Sampling(10, temperature=1.0)]
+    reqs = requests(RAGGED[:3], settings)
+    got = sample_all(eng, reqs)
+    stats = eng.stats
+    assert stats.row_steps == 27  # the first token of each comes from its prefill
+    # a bucket is less than twice its live rows: the whole pool would be 16 x 9 row steps
+    assert 27 <= stats.slot_steps < 2 * 27 and stats.occupancy > 0.5
+    for r, completion in zip(reqs, got, strict=True):
+        [want] = generate(
+            model,
+            [r.prompt_ids],
+            max_new_tokens=10,
+            temperature=r.sampling.temperature,
+            keys=path_key(0, r.key_path)[None],
+        )
+        assert_same([completion], [want])
+    eng.close()
