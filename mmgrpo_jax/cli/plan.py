@@ -54,7 +54,7 @@ def run(request: PlanRequest, out: TextIO) -> int:
     prepare_cpu_flags()
     from mmgrpo_jax.trainer.config import MMGRPOConfig
     from mmgrpo_jax.trainer.plan import plan_memory, usable_fraction
-    from models.config import ModelConfig, preset
+    from models.config import preset
     from models.hf import device_memory_bytes
 
     try:
@@ -66,8 +66,9 @@ def run(request: PlanRequest, out: TextIO) -> int:
         raise UserError(str(err)) from None
     config_json = Path(model_path) / "config.json" if model_path else None
     shape_name = request.preset or config.model_shape
-    if config_json is not None and config_json.is_file():
-        model_config, name = ModelConfig.from_file(config_json), str(model_path)
+    on_disk = _shape_on_disk(model_path)
+    if on_disk is not None:
+        model_config, name = on_disk, str(model_path)
     elif shape_name is not None:
         try:
             model_config, name = preset(shape_name), shape_name
@@ -93,3 +94,17 @@ def run(request: PlanRequest, out: TextIO) -> int:
         if refusal:
             print(f"\n{refusal}", file=out)
     return 0
+
+
+def _shape_on_disk(model_path: str | None):
+    """The checkpoint's shape when it is on this machine (a folder's config.json, a GGUF, a
+    fetched registry model), else None."""
+    from models.config import CheckpointError
+    from models.hf import checkpoint_config
+
+    if not model_path:
+        return None
+    try:
+        return checkpoint_config(model_path)
+    except (FileNotFoundError, CheckpointError):
+        return None
