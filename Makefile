@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint clean model
+.PHONY: demo demo-real test test-slow lint clean model
 
 # Reinstall only when the dependency list changes; otherwise this is a no-op.
 $(STAMP): pyproject.toml
@@ -20,6 +20,10 @@ demo: $(STAMP)
 # once there. The real-weight tests skip without it, so `make test` fetches it first.
 model: $(STAMP)
 	$(BIN)/mmgrpo models fetch smollm2-135m
+
+# the real-LM tier: SmolLM2-135M learns the two-module capitals program on the CPU (~15 min)
+demo-real: model
+	$(BIN)/mmgrpo train --config experiments/configs/capitals_smollm2.yaml
 
 # two workers: the suite is mostly compiles and tiny dispatches, one core each
 test: $(STAMP) model

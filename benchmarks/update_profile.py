@@ -1,0 +1,157 @@
+"""Where one LoRA GRPO update's time goes on real weights: body, lm_head, attention vs MLP, padding.
+
+Builds the rows of one capitals step (4 questions x 4 rollouts x 2 modules, chat prompts of the
+program's bare predictors, replies of ~12 tokens) on SmolLM2-135M, packs them as a run does, and
+times on this machine, each jitted and warm (median of --repeats):
+
+* the train step itself (forward, backward, AdamW) on the whole batch;
+* the decoder body alone (forward and backward of its final hidden states, lm_head excluded);
+* the lm_head and log-softmax alone (forward and backward, from the final hidden states);
+
+and prints XLA's FLOP count of each, the analytic split of the body into attention and MLP, and
+the share of token positions that are padding or prompt (computed but never in the loss).
+
+    .venv/bin/python benchmarks/update_profile.py [--model smollm2-135m --repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mmgrpo_jax.rl.batch import Row, pack_rows
+from mmgrpo_jax.rl.losses import LossConfig
+from mmgrpo_jax.rl.step import make_train_step, split_for_training, target_logprobs
+from mmgrpo_jax.trainer.config import OptimConfig
+from models.hf import load_checkpoint
+from models.lora import LoRAConfig
+from programs.capitals import Capitals, load_capitals
+
+
+def rows_of_one_step(tokenizer, rng: np.random.Generator) -> list[Row]:
+    """16 rollouts x 2 calls of the capitals program, module-level rows (each its own loss
+    sequence): real prompts, random 12-token replies and the stop token."""
+    from mmgrpo_jax.program.adapter import render
+    from models.tokenizer import chat_prompt_ids
+
+    program = Capitals()
+    rows = []
+    for example in load_capitals(0).train[:4] * 4:
+        for module, inputs in (
+            (program.country, {"question": example.question}),
+            (program.capital, {"country": example.country}),
+        ):
+            prompt = chat_prompt_ids(tokenizer, render(module.signature, inputs, bare=True))
+            reply = [*rng.integers(100, 40000, 12).tolist(), 2]
+            rows.append(
+                Row(
+                    prompt_ids=tuple(prompt),
+                    completion_ids=tuple(reply),
+                    advantage=float(rng.normal()),
+                )
+            )
+    return rows
+
+
+def timed(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def flops(fn, *args) -> float:
+    cost = fn.lower(*args).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost.get("flops", float("nan")))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    lora = LoRAConfig(rank=8, alpha=16.0)
+    model, tokenizer, _ = load_checkpoint(args.model, dtype=jnp.float32, lora=lora)
+    cfg = model.config
+    rows = rows_of_one_step(tokenizer, np.random.default_rng(0))
+    batch = pack_rows(rows, args.micro_batch)
+    optimizer = OptimConfig(lr=5e-4).build(10)
+    graphdef, state, frozen = split_for_training(model, optimizer)
+    step = make_train_step(graphdef, optimizer, LossConfig("grpo"), 0.7)
+
+    def one_step(state, frozen, batch):
+        new_state, metrics = step(state, frozen, batch)
+        return new_state, metrics
+
+    micro = jax.tree.map(lambda x: x[0], batch)  # one micro-batch, for the parts
+
+    @jax.jit
+    def body(trainable, frozen, micro):
+        def loss(trainable):
+            m = nnx.merge(graphdef, trainable, frozen.base)
+            hidden = m.final_hidden(micro.tokens, micro.valid, micro.positions, micro.segments)
+            return jnp.sum(hidden)
+
+        return jax.grad(loss)(trainable)
+
+    @jax.jit
+    def head(trainable, frozen, hidden, targets):
+        def loss(hidden):
+            m = nnx.merge(graphdef, trainable, frozen.base)
+            return jnp.sum(target_logprobs(m, hidden, targets, 0.7))
+
+        return jax.grad(loss)(hidden)
+
+    hidden = jnp.zeros((*micro.tokens.shape[:1], micro.tokens.shape[1] - 1, cfg.hidden_size))
+    targets = micro.tokens[:, 1:]
+    # the step donates its state: time it on copies
+    step_s = timed(lambda: one_step(jax.tree.map(jnp.copy, state), frozen, batch)[1]["loss"],
+                   repeats=args.repeats)  # fmt: skip
+    micro_batches = batch.tokens.shape[0]
+    body_s = micro_batches * timed(body, state.trainable, frozen, micro, repeats=args.repeats)
+    head_s = micro_batches * timed(
+        head, state.trainable, frozen, hidden, targets, repeats=args.repeats
+    )
+    body_f = micro_batches * flops(body, state.trainable, frozen, micro)
+    head_f = micro_batches * flops(head, state.trainable, frozen, hidden, targets)
+
+    positions = int(np.prod(batch.tokens.shape))
+    real = int(np.asarray(batch.valid).sum())
+    in_loss = int(np.asarray(batch.loss_mask).sum())
+    d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    attn_proj = d * dh * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    mlp = 3 * d * f
+    length = batch.tokens.shape[-1]
+    attn_scores = 2 * length * cfg.num_heads * dh  # q.k and p.v per query position, full rows
+    per_token = attn_proj + attn_scores + mlp
+    print(f"model: {args.model}, {cfg.num_layers} layers, d {d}, float32, LoRA r{lora.rank}")
+    print(
+        f"batch: {len(rows)} rows in {micro_batches} micro-batches of {batch.tokens.shape[1]} x "
+        f"{length} positions = {positions}; {real} real tokens ({1 - real / positions:.0%} "
+        f"padding), {in_loss} in the loss ({in_loss / positions:.0%} of positions)"
+    )
+    print(
+        f"train step (fwd + bwd + AdamW): {step_s:7.2f} s  ({positions / step_s:.0f} positions/s)"
+    )
+    print(f"  decoder body fwd + bwd       : {body_s:7.2f} s  ({body_f / 1e12:.2f} TFLOP)")
+    print(f"  lm_head + log-softmax fwd+bwd: {head_s:7.2f} s  ({head_f / 1e12:.2f} TFLOP)")
+    print(
+        f"  body split by analytic FLOPs : attention projections {attn_proj / per_token:.0%}, "
+        f"attention scores {attn_scores / per_token:.0%}, MLP {mlp / per_token:.0%}"
+    )
+    achieved = (body_f + head_f) / max(body_s + head_s, 1e-9) / 1e9
+    print(f"  achieved: {achieved:.1f} GFLOP/s over body + head")
+
+
+if __name__ == "__main__":
+    main()
