@@ -4,7 +4,7 @@ and real weights fetched from the package registry."""
 from models.config import ModelConfig
 from models.decoder import Decoder
 from models.export import load_peft_adapter, merge_lora, save_merged, save_peft_adapter
-from models.fetch import fetch, resolve_model_path
+from models.fetch import resolve_model_path
 from models.gguf import GGUFCheckpoint
 from models.hf import checkpoint_config, from_pretrained, load_checkpoint
 from models.lora import LoRAConfig
@@ -18,7 +18,6 @@ __all__ = [
     "ModelConfig",
     "chat_prompt_ids",
     "checkpoint_config",
-    "fetch",
     "from_pretrained",
     "load_checkpoint",
     "load_peft_adapter",

@@ -98,11 +98,8 @@ def resolve_model_path(path: str | Path) -> Path:
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _check_hash(path: Path, want: str, what: str) -> None:
