@@ -59,8 +59,11 @@ def losses(tokenizer, tmp_path, name, train, grouping):
 
 @pytest.mark.parametrize(
     ("train", "grouping"),
-    [("lora", "module"), ("full", "trajectory")],
-    ids=["lora_module", "full_trajectory"],
+    [
+        pytest.param("lora", "module", id="lora_module"),
+        # slow: the full-training path costs ~100 s; its step is the same sharded update
+        pytest.param("full", "trajectory", id="full_trajectory", marks=pytest.mark.slow),
+    ],
 )
 def test_sharded_training_matches_one_device(tokenizer, tmp_path, train, grouping):
     want = losses(tokenizer, tmp_path, "one_device", train, grouping)

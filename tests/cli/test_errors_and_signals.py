@@ -193,7 +193,14 @@ def start_demo(run_dir, *extra):
     )
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "signum",
+    [
+        # SIGTERM through the demo is slow (~70 s); test_run_safety sends it during an update
+        pytest.param(signal.SIGTERM, id="SIGTERM", marks=pytest.mark.slow),
+        pytest.param(signal.SIGINT, id="SIGINT"),
+    ],
+)
 def test_a_signal_to_the_demo_exits_128_plus_n_with_a_checkpoint_and_resumes(tmp_path, signum):
     run_dir = tmp_path / "demo"
     process = start_demo(run_dir)

@@ -232,7 +232,10 @@ LEAN = AttentionConfig("blockwise", q_block=4, kv_block=8)
 
 @pytest.mark.parametrize(
     ("train", "dropout", "trajectory_level"),
-    [("lora", 0.3, True), ("full", 0.0, False)],
+    [
+        ("lora", 0.3, True),
+        pytest.param("full", 0.0, False, marks=pytest.mark.slow),  # ~30 s, the same lean path
+    ],
 )
 def test_memory_lean_step_equals_the_reference_step(train, dropout, trajectory_level):
     """Blockwise attention + remat + chunked log-probs: the same loss, gradient and metrics."""

@@ -200,8 +200,14 @@ class RaiseAtCall:
 
 @pytest.mark.parametrize(
     "mode",
-    [{}, {"train": "full", "loss": LossConfig("grpo", beta=0.1)}],
-    ids=["lora", "full-with-frozen-reference"],
+    [
+        pytest.param({}, id="lora"),
+        pytest.param(  # ~65 s: full training whose KL reference is a frozen copy; make test-slow
+            {"train": "full", "loss": LossConfig("grpo", beta=0.1)},
+            id="full-with-frozen-reference",
+            marks=pytest.mark.slow,
+        ),
+    ],
 )
 def test_interrupted_and_resumed_equals_uninterrupted(tokenizer, tmp_path, mode):
     steps = dict(num_steps=4, checkpoint_every=3, eval_every=100, **mode)
