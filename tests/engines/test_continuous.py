@@ -68,10 +68,10 @@ def test_concurrent_requests_sample_what_each_alone_samples(model):
     together = sample_all(eng, reqs)
     eng.close()
     alone = []
+    eng = engine(model)  # one request at a time: each alone in the pool (and compiled once)
     for r in reqs:
-        eng = engine(model)
         alone += sample_all(eng, [r])
-        eng.close()
+    eng.close()
     assert_same(together, alone)
     # and what the static sampler returns for each alone, with the request's own key
     for r, got in zip(reqs, together, strict=True):

@@ -203,8 +203,13 @@ def crashed_in_step_3(tokenizer, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "damage",
-    [truncate, flip, os.remove, wrong_checksum],
-    ids=["truncated", "flipped", "deleted", "checksum"],
+    [
+        pytest.param(truncate, id="truncated"),
+        # ~30 s each; the same fallback as the truncated and checksum cases: make test-slow
+        pytest.param(flip, id="flipped", marks=pytest.mark.slow),
+        pytest.param(os.remove, id="deleted", marks=pytest.mark.slow),
+        pytest.param(wrong_checksum, id="checksum"),
+    ],
 )
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     tokenizer, tmp_path, caplog, damage, crashed_in_step_3
