@@ -16,8 +16,7 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from update_profile import timed  # benchmarks/ is this script's sys.path[0]
+from update_profile import square_matmul_gflops, timed  # benchmarks/ is this script's sys.path[0]
 
 from models.fetch import resolve_model_path
 from models.hf import checkpoint_config
@@ -61,10 +60,9 @@ def main() -> None:
         return x @ head
 
     step_s = timed(decode_matmuls, x, layers, head, repeats=args.repeats)
-    weight_bytes = 4 * (sum(int(np.prod(w.shape)) for w in layers.values()) + head.size)
-    square = jnp.ones((1024, 1024), jnp.float32)
-    square_s = timed(jax.jit(lambda a: a @ a), square, repeats=10)
-    flops = 2 * args.batch * weight_bytes / 4
+    weights = sum(w.size for w in layers.values()) + head.size
+    weight_bytes = 4 * weights  # float32
+    flops = 2 * args.batch * weights  # one multiply-add per weight per row
     ceiling = args.batch / step_s
     print(f"model: {args.model}, {cfg.num_layers} layers, d {d}, float32, batch {args.batch}")
     print(f"decode-step matmuls: {step_s * 1e3:.1f} ms -> ceiling {ceiling:.0f} tokens/s")
@@ -72,7 +70,7 @@ def main() -> None:
     print(f"weights streamed   : {streamed:.1f} GB/s of {weight_bytes / 1e6:.0f} MB a step")
     print(
         f"compute            : {flops / step_s / 1e9:.1f} GFLOP/s vs a 1024^3 matmul's "
-        f"{2 * 1024**3 / square_s / 1e9:.1f}"
+        f"{square_matmul_gflops():.1f}"
     )
 
 

@@ -61,7 +61,7 @@ def losses(tokenizer, tmp_path, name, train, grouping):
     ("train", "grouping"),
     [
         pytest.param("lora", "module", id="lora_module"),
-        # slow: the full-training path costs ~100 s; its step is the same sharded update
+        # ~100 s: full training's sharded update is checked by make test-slow, LoRA's here
         pytest.param("full", "trajectory", id="full_trajectory", marks=pytest.mark.slow),
     ],
 )

@@ -234,7 +234,7 @@ LEAN = AttentionConfig("blockwise", q_block=4, kv_block=8)
     ("train", "dropout", "trajectory_level"),
     [
         ("lora", 0.3, True),
-        pytest.param("full", 0.0, False, marks=pytest.mark.slow),  # ~30 s, the same lean path
+        pytest.param("full", 0.0, False, marks=pytest.mark.slow),  # ~30 s: make test-slow
     ],
 )
 def test_memory_lean_step_equals_the_reference_step(train, dropout, trajectory_level):
