@@ -218,11 +218,7 @@ def _sweep(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as err:
         return _stopped("sweep", err)
     for failure in report.failures:
-        print(
-            f"mmgrpo sweep: {failure.cell.name} seed {failure.seed} failed (exit "
-            f"{failure.exit_code}): {failure.last_line}; log: {failure.log}",
-            file=sys.stderr,
-        )
+        print(f"mmgrpo sweep: {failure.describe()}", file=sys.stderr)
     return 1 if report.failures else 0
 
 

@@ -49,7 +49,7 @@ from mmgrpo_jax.trainer.config import (
 )
 from mmgrpo_jax.trainer.mmgrpo import MMGRPO, check_run_dir, default_engine, evaluate
 from mmgrpo_jax.trainer.run_lock import RunLock
-from mmgrpo_jax.trainer.run_log import write_atomic
+from mmgrpo_jax.trainer.run_log import read_json, write_atomic
 from models.config import ModelConfig
 from models.decoder import Decoder
 from models.tokenizer import UNKNOWN_WORDS
@@ -224,7 +224,11 @@ def record_policy(config: DemoConfig, run_dir: Path) -> None:
     path = run_dir / "policy.json"
     settings = {name: getattr(config, name) for name in POLICY_FIELDS}
     if path.is_file():
-        old = json.loads(path.read_text())
+        old = read_json(
+            path,
+            "it records the policy of the run in this run_dir; restore it "
+            "or choose another run_dir",
+        )
         changed = changed_keys(old, settings)
         if changed:
             raise UserError(
@@ -291,7 +295,7 @@ def finished_method(path: Path, settings: dict[str, Any], resume: bool) -> dict[
             f"run_dir={str(path.parent)!r} already holds a finished run (summary.json): choose "
             "another run_dir, or set resume=true to keep it"
         )
-    summary = json.loads(path.read_text())
+    summary = read_json(path, "remove the run_dir to redo the run")
     old = summary.get("settings", {})
     changed = changed_keys(old, settings)
     if changed:

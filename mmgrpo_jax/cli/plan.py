@@ -51,6 +51,10 @@ def prepare_cpu_flags() -> None:
 
 
 def run(request: PlanRequest, out: TextIO) -> int:
+    if request.device_memory_gb is not None and not request.device_memory_gb > 0:
+        raise UserError(f"--device-memory-gb must be > 0, got {request.device_memory_gb}")
+    if request.memory_fraction is not None and not 0 < request.memory_fraction <= 1:
+        raise UserError(f"--memory-fraction must be in (0, 1], got {request.memory_fraction}")
     prepare_cpu_flags()
     from mmgrpo_jax.trainer.config import MMGRPOConfig
     from mmgrpo_jax.trainer.plan import plan_memory, usable_fraction
@@ -98,7 +102,8 @@ def run(request: PlanRequest, out: TextIO) -> int:
 
 def _shape_on_disk(model_path: str | None):
     """The checkpoint's shape when it is on this machine (a folder's config.json, a GGUF, a
-    fetched registry model), else None."""
+    fetched registry model), else None. A path that exists but holds no checkpoint is an error:
+    the preset stands in only for a checkpoint that is elsewhere."""
     from models.config import CheckpointError
     from models.hf import checkpoint_config
 
@@ -106,5 +111,11 @@ def _shape_on_disk(model_path: str | None):
         return None
     try:
         return checkpoint_config(model_path)
-    except (FileNotFoundError, CheckpointError):
+    except (FileNotFoundError, CheckpointError) as err:
+        if Path(model_path).exists():
+            raise UserError(
+                f"mmgrpo.model_path={model_path!r} exists but holds no checkpoint ({err}); "
+                "point it at a checkpoint folder, or at a path not on this machine to plan "
+                "with mmgrpo.model_shape / --preset"
+            ) from None
         return None

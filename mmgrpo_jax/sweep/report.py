@@ -22,7 +22,7 @@ import numpy as np
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.sweep.spec import Cell, SweepConfig, describe
 from mmgrpo_jax.sweep.stats import Interval, bootstrap_mean, paired_difference, steps_to_threshold
-from mmgrpo_jax.trainer.run_log import write_atomic
+from mmgrpo_jax.trainer.run_log import read_rows, write_atomic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,15 +34,22 @@ class RunResult:
     wall_seconds: float
 
 
+class UnreadableRun(UserError):
+    """A finished run whose files cannot be read: that run's failure, not the sweep's."""
+
+
 def read_run(config: SweepConfig, cell: Cell, seed: int) -> RunResult:
-    """A finished run's numbers; anything unreadable is an error naming the run's file."""
+    """A finished run's numbers. An unreadable summary or a non-finite score is that run's
+    `UnreadableRun` naming the file; a line of metrics.jsonl cut short is dropped with a warning
+    (as a resume does); a score the summary lacks is the sweep's error (its `score` key)."""
     run_dir = config.run_dir(cell, seed)
     path = run_dir / "summary.json"
     try:
         summary = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise UserError(
-            f"{path} cannot be read ({err}): remove the run folder to redo it"
+        wall_seconds = float(summary["wall_seconds"])
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise UnreadableRun(
+            f"{path} cannot be read ({type(err).__name__}: {err}): remove the run folder to redo it"
         ) from None
     score = summary.get(config.score, "missing")
     if score == "missing":
@@ -50,15 +57,14 @@ def read_run(config: SweepConfig, cell: Cell, seed: int) -> RunResult:
             f"{path} has no {config.score!r} (the sweep's score); it has {sorted(summary)}"
         )
     if not isinstance(score, int | float) or isinstance(score, bool) or not math.isfinite(score):
-        raise UserError(f"{path}: {config.score} is {score!r}, not a finite number")
+        raise UnreadableRun(f"{path}: {config.score} is {score!r}, not a finite number")
     curve = []
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            row = json.loads(line)
+        for row in read_rows(metrics):
             if config.curve in row:
                 curve.append((float(row["step"]), float(row[config.curve])))
-    return RunResult(cell, seed, float(score), tuple(curve), float(summary["wall_seconds"]))
+    return RunResult(cell, seed, float(score), tuple(curve), wall_seconds)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.sweep.child import PARENT_ENV
-from mmgrpo_jax.sweep.report import CellRow, RunResult, read_run, write_report
+from mmgrpo_jax.sweep.report import CellRow, RunResult, UnreadableRun, read_run, write_report
 from mmgrpo_jax.sweep.spec import Cell, SweepConfig, identity_json
 from mmgrpo_jax.trainer.config import changed_keys, describe_changes, flatten
 from mmgrpo_jax.trainer.run_lock import RunLock
@@ -46,9 +46,13 @@ LOCK_WAIT_S = 120.0  # how long to wait for a run folder still held by a stoppin
 class Failure:
     cell: Cell
     seed: int
-    exit_code: int
-    log: Path
+    exit_code: int | None  # None: the run finished, but its files cannot be read
+    log: Path  # the run's log, or the file that cannot be read
     last_line: str
+
+    def describe(self) -> str:
+        what = "failed" if self.exit_code is None else f"failed (exit {self.exit_code})"
+        return f"{self.cell.name} seed {self.seed} {what}: {self.last_line}; see {self.log}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,24 +94,45 @@ def run_sweep(
     nothing, write the report of the runs finished so far."""
     check_runs(config)
     sweep_dir = Path(config.out)
-    with RunLock(sweep_dir):
+    with RunLock(sweep_dir, role="sweep out"):
         write_atomic(sweep_dir / "sweep.json", json.dumps(_describe(config), indent=2) + "\n")
         plan = [(cell, seed) for seed in config.seeds for cell in config.cells]
         results: list[RunResult] = []
+        failures: list[Failure] = []
         todo = []
         for cell, seed in plan:
             if _finished(config, cell, seed):
-                results.append(read_run(config, cell, seed))
+                _collect(config, cell, seed, results, failures)
             else:
                 todo.append((cell, seed))
         skipped = len(results)
         rows = write_report(config, results)
-        failures = [] if report_only else _run_all(config, todo, results, plan, progress)
+        if not report_only:
+            failures += _run_all(config, todo, results, plan, progress)
         if not report_only:
             rows = write_report(config, results)
     if out is not None:
         print((sweep_dir / "table.md").read_text(), file=out)
     return SweepReport(rows, results, failures, skipped)
+
+
+def _collect(
+    config: SweepConfig,
+    cell: Cell,
+    seed: int,
+    results: list[RunResult],
+    failures: list[Failure],
+) -> bool:
+    """A finished run's result into `results`, or, if its files cannot be read, its failure
+    into `failures` (the other runs go on)."""
+    try:
+        results.append(read_run(config, cell, seed))
+        return True
+    except UnreadableRun as err:
+        summary = config.run_dir(cell, seed) / "summary.json"
+        failures.append(Failure(cell, seed, None, summary, str(err)))
+        logger.warning("run %s", failures[-1].describe())
+        return False
 
 
 def _describe(config: SweepConfig) -> dict:
@@ -181,21 +206,14 @@ def _run_all(
                 child.log.close()
                 code = child.process.returncode
                 if code == 0:
-                    results.append(read_run(config, child.cell, child.seed))
-                    results.sort(key=lambda r: plan.index((r.cell, r.seed)))
-                    write_report(config, results)
+                    if _collect(config, child.cell, child.seed, results, failures):
+                        results.sort(key=lambda r: plan.index((r.cell, r.seed)))
+                        write_report(config, results)
                     bar.update()
                     continue
                 failure = _failure(config, child, code)
                 failures.append(failure)
-                logger.warning(
-                    "run %s seed %d failed with exit code %d: %s (log: %s)",
-                    child.cell.name,
-                    child.seed,
-                    code,
-                    failure.last_line,
-                    failure.log,
-                )
+                logger.warning("run %s", failure.describe())
             status = {"running": len(running), "failed": len(failures)}
             if status != shown:
                 bar.set_postfix(status)

@@ -202,6 +202,8 @@ class DistributedConfig:
             raise _bad(self, "process_id", f"must be in [0, num_processes={self.num_processes})")
         if self.num_processes > 1 and not self.coordinator_address:
             raise _bad(self, "coordinator_address", "must be host:port when num_processes > 1")
+        if self.coordinator_address:
+            _ = self.coordinator_port  # refuses what is not host:port before a device is touched
         for name in ("heartbeat_timeout_s", "initialization_timeout_s"):
             if getattr(self, name) < 1:
                 raise _bad(self, name, "must be >= 1")
@@ -209,6 +211,16 @@ class DistributedConfig:
     @property
     def enabled(self) -> bool:
         return self.num_processes > 1
+
+    @property
+    def coordinator_port(self) -> int:
+        """The port of `coordinator_address` (host:port, an IPv6 host in brackets)."""
+        host, colon, port = (self.coordinator_address or "").rpartition(":")
+        if not colon or not host or host in ("[", "[]"):
+            raise _bad(self, "coordinator_address", "must be host:port, e.g. 10.0.0.1:1234")
+        if not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise _bad(self, "coordinator_address", "must have a port in 1-65535")
+        return int(port)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,7 +66,7 @@ from mmgrpo_jax.trainer.config import (
 )
 from mmgrpo_jax.trainer.interrupt import Interrupted, StopSignals
 from mmgrpo_jax.trainer.run_lock import RunLock
-from mmgrpo_jax.trainer.run_log import RunLogger
+from mmgrpo_jax.trainer.run_log import RunLogger, read_json
 from models.decoder import Decoder
 from models.export import save_peft_adapter
 from models.hf import load_checkpoint
@@ -497,7 +497,7 @@ class MMGRPO:
         path = self.run_dir / "summary.json"
         if done < self.config.num_steps or not path.is_file():
             return False
-        summary = json.loads(path.read_text())
+        summary = read_json(path, "remove it: the run is finished again from its checkpoint")
         if summary.get("steps") != done:  # the summary of an earlier, shorter finish
             return False
         logger.warning(

@@ -25,10 +25,12 @@ LOCK_NAME = "run.lock"
 
 
 class RunLock:
-    """`with RunLock(run_dir):` the body runs only while no other process uses run_dir."""
+    """`with RunLock(run_dir):` the body runs only while no other process uses run_dir.
+    `role` is how errors name the folder to the user (a sweep's is its `out`)."""
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, role: str = "run_dir") -> None:
         self.path = Path(run_dir) / LOCK_NAME
+        self.role = role
         self._file: IO[str] | None = None
 
     def __enter__(self) -> RunLock:
@@ -44,21 +46,21 @@ class RunLock:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 file = self.path.open("a+")
             except OSError as err:
-                raise UserError(f"run_dir {str(self.path.parent)!r}: {err.strerror}") from None
+                raise UserError(f"{self.role} {str(self.path.parent)!r}: {err.strerror}") from None
             try:
                 fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = _describe(_read(file))
                 file.close()
                 raise UserError(
-                    f"run_dir {str(self.path.parent)!r} is in use by another run ({holder}); wait "
-                    "for it to finish, stop it, or choose another run_dir"
+                    f"{self.role} {str(self.path.parent)!r} is in use by another run ({holder}); "
+                    f"wait for it to finish, stop it, or choose another {self.role}"
                 ) from None
             except OSError as err:  # a filesystem without locks (some network mounts)
                 file.close()
                 raise UserError(
-                    f"run_dir {str(self.path.parent)!r} cannot be locked ({err.strerror}): put "
-                    "it on a local filesystem"
+                    f"{self.role} {str(self.path.parent)!r} cannot be locked ({err.strerror}): "
+                    "put it on a local filesystem"
                 ) from None
             if _same_file(file, self.path):
                 break

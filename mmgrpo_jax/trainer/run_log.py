@@ -16,10 +16,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mmgrpo_jax.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 
-def _read_rows(path: Path) -> list[dict[str, float]]:
+def read_rows(path: Path) -> list[dict[str, float]]:
     """The rows of a metrics.jsonl; a line cut short by a kill is dropped with a warning."""
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
@@ -54,7 +56,7 @@ class RunLogger:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.history: list[dict[str, float]] = []
         if resumed_step is not None and self.metrics_path.is_file():
-            rows = _read_rows(self.metrics_path)
+            rows = read_rows(self.metrics_path)
             # rows logged at x <= the checkpoint's step describe state it holds
             self.history = [r for r in rows if r.get("step", 0) <= resumed_step]
         if writes:
@@ -148,6 +150,15 @@ class RunLogger:
         fig.tight_layout()
         fig.savefig(self.run_dir / "learning_curve.png", dpi=120)
         plt.close(fig)
+
+
+def read_json(path: Path, remedy: str) -> Any:
+    """A run folder's JSON file; one that cannot be read is a UserError naming it and `remedy`
+    (what the user can do about it)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # JSONDecodeError, UnicodeDecodeError
+        raise UserError(f"{path} cannot be read ({type(err).__name__}: {err}): {remedy}") from None
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -5,6 +5,7 @@ import logging
 
 import pytest
 
+from mmgrpo_jax import cli
 from mmgrpo_jax.cli.demo import DemoConfig, record_policy, tiny_policy
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.program import adapter
@@ -46,3 +47,13 @@ def test_a_resume_with_another_policy_is_refused_naming_the_field(tmp_path, capl
     with caplog.at_level(logging.WARNING):
         record_policy(DemoConfig(run_dir=str(older), resume=True), older)
     assert "has no policy.json" in caplog.text and (older / "policy.json").is_file()
+
+
+def test_a_policy_json_that_is_not_json_is_one_line_naming_it(tmp_path, capsys):
+    (tmp_path / "policy.json").write_text('{"testbed": "doors", "hidden')
+    argv = ["demo", f"run_dir={tmp_path}", "resume=true", "progress=false"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+    assert f"{tmp_path / 'policy.json'} cannot be read (JSONDecodeError" in err[0]
+    assert "restore it or choose another run_dir" in err[0]

@@ -66,6 +66,30 @@ def test_demo_values_are_refused_in_one_line_before_the_model_is_built(
     assert message in one_line_error(capsys)
 
 
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("127.0.0.1", "coordinator_address must be host:port, e.g. 10.0.0.1:1234, got '127.0.0.1'"),
+        ("127.0.0.1:99999", "must have a port in 1-65535, got '127.0.0.1:99999'"),
+    ],
+)
+def test_a_malformed_coordinator_address_is_one_line_before_any_process_joins(
+    tmp_path, capsys, no_model, monkeypatch, address, message
+):
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: pytest.fail("joined"))
+    argv = [
+        "demo",
+        f"run_dir={tmp_path / 'run'}",
+        "distributed.num_processes=2",
+        f"distributed.coordinator_address={address}",
+    ]
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert message in one_line_error(capsys)
+    assert not (tmp_path / "run").exists()
+
+
 def test_overrides_go_before_between_and_after_options_and_read_1e_5_as_a_number(
     tmp_path, monkeypatch
 ):

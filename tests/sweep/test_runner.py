@@ -146,6 +146,42 @@ def test_a_run_that_exits_2_is_one_failed_run(tmp_path, fake_runs, monkeypatch):
     assert len(report.results) == 5
 
 
+def test_a_cut_metrics_line_is_dropped_and_an_unreadable_run_fails_alone(
+    tmp_path, fake_runs, caplog
+):
+    """One finished run's metrics.jsonl loses its tail (a kill mid-write), another's summary is
+    cut, and a third run has not started: the sweep warns about the line, reports the cut
+    summary as that run's failure, and runs the missing one."""
+    run_sweep(_config(tmp_path / "sweep", seeds="0"), progress=False)
+    config = _config(tmp_path / "sweep", seeds="0-1")
+    cut_log = config.run_dir(config.cells[0], 0) / "metrics.jsonl"
+    with cut_log.open("r+") as f:
+        f.truncate(cut_log.stat().st_size - 15)
+    summary = config.run_dir(config.cells[1], 0) / "summary.json"
+    summary.write_text(summary.read_text()[:20])
+    report = run_sweep(config, progress=False)
+    lines = len(cut_log.read_text().splitlines())
+    assert f"{cut_log} line {lines} is cut short" in caplog.text
+    assert [(f.cell, f.seed, f.exit_code, f.log) for f in report.failures] == [
+        (config.cells[1], 0, None, summary)
+    ]
+    assert "JSONDecodeError" in report.failures[0].last_line
+    assert sorted((r.cell.name, r.seed) for r in report.results) == [
+        (config.cells[0].name, 0),
+        (config.cells[0].name, 1),
+        (config.cells[1].name, 1),
+    ]
+    curve = next(r.curve for r in report.results if r.cell == config.cells[0] and r.seed == 0)
+    assert [s for s, _ in curve] == [1, 2, 3, 4, 5]  # the cut step-6 row is dropped
+
+
+def test_a_sweep_out_that_is_a_file_is_named_as_the_sweeps(tmp_path, fake_runs):
+    (tmp_path / "out").write_text("not a folder")
+    config = _config(tmp_path / "out", seeds="0")
+    with pytest.raises(UserError, match=r"^sweep out '.*out': (File exists|Not a directory)$"):
+        run_sweep(config, progress=False)
+
+
 def test_a_bad_grid_value_is_refused_before_any_run(tmp_path, fake_runs):
     config = load_sweep(None, command="demo", grid="grouping=module,sideways", out=str(tmp_path))
     with pytest.raises(UserError, match=r"cell grouping=sideways: .*grouping must be"):

@@ -46,6 +46,22 @@ def test_dr_grpo_normalises_by_the_samplers_completion_limit():
             "DistributedConfig.coordinator_address must be host:port when num_processes > 1",
         ),
         (
+            lambda: DistributedConfig("127.0.0.1", num_processes=2),
+            r"coordinator_address must be host:port, e.g. 10.0.0.1:1234, got '127.0.0.1'",
+        ),
+        (
+            lambda: DistributedConfig("127.0.0.1:99999", num_processes=2),
+            r"coordinator_address must have a port in 1-65535, got '127.0.0.1:99999'",
+        ),
+        (
+            lambda: DistributedConfig(":1234", num_processes=2),
+            r"coordinator_address must be host:port",
+        ),
+        (
+            lambda: DistributedConfig("h:0x10", num_processes=2),
+            r"must have a port in 1-65535, got 'h:0x10'",
+        ),
+        (
             lambda: DistributedConfig("h:1", num_processes=2, process_id=2),
             r"process_id must be in \[0, num_processes=2\), got 2",
         ),
@@ -54,3 +70,8 @@ def test_dr_grpo_normalises_by_the_samplers_completion_limit():
 def test_every_section_names_its_bad_field(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_coordinator_addresses_as_users_write_them():
+    for address, port in [("127.0.0.1:1234", 1234), ("node-3:65535", 65535), ("[::1]:8476", 8476)]:
+        assert DistributedConfig(address, num_processes=2).coordinator_port == port

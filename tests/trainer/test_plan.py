@@ -98,6 +98,30 @@ def test_plan_command_reads_a_train_config_without_its_checkpoint(tmp_path, caps
     assert "'gpt5' is not a preset" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--device-memory-gb", "0"], "--device-memory-gb must be > 0, got 0.0"),
+        (["--device-memory-gb", "-5"], "--device-memory-gb must be > 0, got -5.0"),
+        (["--memory-fraction", "1.5"], "--memory-fraction must be in (0, 1], got 1.5"),
+    ],
+)
+def test_plan_refuses_an_impossible_device_in_one_line(tmp_path, capsys, flags, message):
+    argv = ["plan", "--preset", "qwen3-8b", *flags, "mmgrpo.sampler.max_prompt_tokens=48"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"mmgrpo plan: {message}"]
+
+
+def test_plan_refuses_a_model_folder_without_a_checkpoint(tmp_path, capsys):
+    empty = tmp_path / "Qwen3-8B"
+    empty.mkdir()
+    argv = ["plan", "--preset", "qwen3-8b", f"mmgrpo.model_path={empty}"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"mmgrpo.model_path='{empty}' exists but holds no checkpoint" in err[0]
+
+
 def test_plan_command_json_from_a_checkpoint(checkpoints, tmp_path, capsys):
     path = tmp_path / "train.yaml"
     path.write_text(
