@@ -14,11 +14,15 @@ skip saving the steps that exist, silently losing the new run's).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import shutil
 import sys
+import threading
 import time
+import warnings
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +54,11 @@ class Restored:
 
 class DamagedCheckpoint(Exception):
     """A checkpoint that cannot be read back, or reads back different from what was saved."""
+
+
+class CheckpointWriteError(UserError):
+    """A checkpoint that could not be written (a full disk, a read-only folder): the run stops
+    with the earlier checkpoints intact, and says what a resume would start from."""
 
 
 def array_records(trees: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -117,9 +126,10 @@ class Checkpointer:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self.resume = resume
+        self._failed = False  # a save failed (CheckpointWriteError)
         self._unraisable = sys.unraisablehook
         sys.unraisablehook = self._drop_closed_loop_callbacks
-        logging.getLogger("asyncio").addFilter(_drop_abandoned_reads)
+        logging.getLogger("asyncio").addFilter(_drop_abandoned_io)
 
     def save(
         self,
@@ -134,9 +144,29 @@ class Checkpointer:
         arrays = array_records(trees)
         items = {name: ocp.args.StandardSave(tree) for name, tree in trees.items()}
         items["meta"] = ocp.args.JsonSave({**meta, "step": step, "arrays": arrays})
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
-        # written before save returns: the caller holds signals back only around this call
-        self._manager.wait_until_finished()
+        absl = logging.getLogger("absl")
+        errors = _Collect()  # orbax's threads log each failed write with a traceback
+        absl.addFilter(errors)
+        started_with = set(threading.enumerate())
+        try:
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+            # written before save returns: the caller holds signals back only around this call
+            self._manager.wait_until_finished()
+        except Exception as err:
+            self._failed = True
+            _join_new_threads(started_with)  # orbax's other writes end before the cleanup
+            with contextlib.suppress(Exception):  # the same failure again
+                self._manager.close()
+            # orbax's abandoned writes are finalized now, not at exit (where each prints a
+            # traceback as the interpreter shuts down); what is left to report at exit is the
+            # failure just reported, so it stays quiet (see close)
+            gc.collect()
+            warnings.filterwarnings(
+                "ignore", r"coroutine 'async_serialize.*' was never awaited", RuntimeWarning
+            )
+            raise CheckpointWriteError(self._write_failure(step, err)) from None
+        finally:
+            absl.removeFilter(errors)
 
     def restore(
         self,
@@ -237,12 +267,30 @@ class Checkpointer:
         kept = read.get("reference")
         return Restored(read["state"], kept, dict(meta))
 
+    def _write_failure(self, step: int, err: Exception) -> str:
+        """One line: what failed, the free space, and what a resume starts from. The partial
+        write is removed (it holds space the user needs back)."""
+        for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        text = str(err)
+        why = "no space left on device" if "No space left" in text else _first_line(err)
+        free = shutil.disk_usage(self.directory).free
+        intact = saved_steps(self.directory.parent)
+        last = f"step {intact[-1]}" if intact else "none (a resume starts at step 0)"
+        return (
+            f"the checkpoint of step {step} could not be written to {str(self.directory)!r} "
+            f"({why}; {free / 1e6:.1f} MB free there); the last intact checkpoint: {last}; "
+            "make room and run again with resume=true"
+        )
+
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        if not self._failed:  # a failed save closed the manager already
+            self._manager.wait_until_finished()
+            self._manager.close()
         if sys.unraisablehook == self._drop_closed_loop_callbacks:
             sys.unraisablehook = self._unraisable
-        logging.getLogger("asyncio").removeFilter(_drop_abandoned_reads)
+        if not self._failed:  # the abandoned writes of a failed save are logged at exit
+            logging.getLogger("asyncio").removeFilter(_drop_abandoned_io)
 
     def _drop_closed_loop_callbacks(self, unraisable: Any) -> None:
         """A failed read leaves orbax's pending reads calling back into its closed event loop:
@@ -273,11 +321,38 @@ def _refuse_other_layout(
         )
 
 
-def _drop_abandoned_reads(record: logging.LogRecord) -> bool:
-    """The other reads of a damaged checkpoint fail too, and asyncio logs each one later."""
+def _drop_abandoned_io(record: logging.LogRecord) -> bool:
+    """The other reads of a damaged checkpoint (writes of a failed one) fail too, and asyncio
+    logs each one later: the first failure is what the user gets, in one line."""
     message = record.getMessage()
     abandoned = message.startswith("Task exception was never retrieved")
-    return not (abandoned and "deserialize" in message)
+    return not (abandoned and "serialize" in message)
+
+
+def _join_new_threads(started_with: set[threading.Thread], timeout_s: float = 60.0) -> None:
+    """Wait for the non-daemon threads started since `started_with` (what interpreter exit
+    would wait for), at most `timeout_s` in all."""
+    deadline = time.monotonic() + timeout_s
+    for thread in set(threading.enumerate()) - started_with:
+        if not thread.daemon and thread is not threading.current_thread():
+            # orbax's threads raise their failure again from join
+            with contextlib.suppress(Exception):
+                thread.join(max(deadline - time.monotonic(), 0.0))
+
+
+class _Collect(logging.Filter):
+    """Keeps the records of a logger instead of printing them (they are summed up in one
+    error line when the work they describe fails)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        self.records.append(record)
+        return False
 
 
 def _first_line(err: BaseException) -> str:
