@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import logging
 import pickle
+import socket
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -23,6 +26,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.rl.batch import Batch
 from mmgrpo_jax.trainer.config import DistributedConfig, ParallelConfig
 from models.sharding import BATCH, make_mesh, replicated, to_global
@@ -32,23 +36,51 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class JoinTimeout(UserError):
+    """Processes of the run that never joined within `initialization_timeout_s`."""
+
+
+JOIN_REPORT_EVERY_S = 10.0  # a progress line while the processes gather
+# the runtime's own deadline comes after ours, so that ours (a clear line) is what the user gets
+# and not the runtime's abort
+_RUNTIME_MARGIN_S = 60
+JOIN_THREAD = "mmgrpo-join"  # the thread the runtime's join blocks in
+
+
 def initialize(config: DistributedConfig) -> None:
     """Join the runtime of `config.num_processes` processes (nothing for one process). Must run
     before anything touches a device; a process that dies stops the others within the heartbeat
-    timeout, with an error, instead of leaving them in a collective."""
+    timeout, with an error, instead of leaving them in a collective.
+
+    The runtime's join blocks in C++ (no signal gets through, and at its deadline it aborts the
+    process), so it runs in a thread while this one waits: a progress line every
+    JOIN_REPORT_EVERY_S, SIGINT / SIGTERM raise as anywhere else, and at
+    `initialization_timeout_s` a JoinTimeout says which processes never came."""
     if not config.enabled:
         return
     if jax.distributed.is_initialized():
         return
     # CPU devices of different processes talk through gloo (accelerators use their own)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=config.coordinator_address,
-        num_processes=config.num_processes,
-        process_id=config.process_id,
-        initialization_timeout=config.initialization_timeout_s,
-        heartbeat_timeout_seconds=config.heartbeat_timeout_s,
-    )
+    failures: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            jax.distributed.initialize(
+                coordinator_address=config.coordinator_address,
+                num_processes=config.num_processes,
+                process_id=config.process_id,
+                initialization_timeout=config.initialization_timeout_s + _RUNTIME_MARGIN_S,
+                heartbeat_timeout_seconds=config.heartbeat_timeout_s,
+            )
+        except BaseException as err:  # handed to the waiting thread
+            failures.append(err)
+
+    joining = threading.Thread(target=join, name=JOIN_THREAD, daemon=True)
+    joining.start()
+    _wait_for_join(joining, time.monotonic(), config)  # a timeout or a signal leaves it blocked
+    if failures:
+        raise failures[0]
     logger.info(
         "process %d of %d joined %s: %d local, %d global devices",
         jax.process_index(),
@@ -56,6 +88,78 @@ def initialize(config: DistributedConfig) -> None:
         config.coordinator_address,
         jax.local_device_count(),
         jax.device_count(),
+    )
+
+
+def _wait_for_join(joining: threading.Thread, started: float, config: DistributedConfig) -> None:
+    """Wait in Python (where signals get through), saying how long, up to the timeout."""
+    deadline = started + config.initialization_timeout_s
+    while joining.is_alive():
+        try:
+            joining.join(timeout=max(min(JOIN_REPORT_EVERY_S, deadline - time.monotonic()), 0.0))
+        except KeyboardInterrupt as err:  # SIGINT, or SIGTERM under StopSignals
+            err.add_note(
+                f"while waiting for the {config.num_processes} processes of the run to join at "
+                f"{config.coordinator_address}: nothing had started"
+            )
+            raise
+        if not joining.is_alive():
+            break
+        waited = time.monotonic() - started
+        if time.monotonic() >= deadline:
+            raise JoinTimeout(_never_joined(config, waited))
+        logger.warning("%s", _waiting(config, waited))
+
+
+def join_abandoned() -> bool:
+    """Whether a join was given up (timeout, signal) with the runtime still blocked in its
+    thread: the process must then leave without the interpreter's teardown, which would wait
+    on that runtime and print its shutdown errors (cli.entry)."""
+    return any(thread.name == JOIN_THREAD for thread in threading.enumerate())
+
+
+def _coordinator_is_up(config: DistributedConfig) -> bool:
+    """Whether process 0's coordination service accepts connections (a plain TCP probe)."""
+    host = (config.coordinator_address or "").rpartition(":")[0].strip("[]")
+    try:
+        with socket.create_connection((host, config.coordinator_port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _waiting(config: DistributedConfig, waited: float) -> str:
+    me, n = config.process_id, config.num_processes
+    where = (
+        "this process hosts the coordinator"
+        if me == 0
+        else f"the coordinator (process 0) is {'up' if _coordinator_is_up(config) else 'not up'}"
+    )
+    return (
+        f"waiting for the {n} processes of the run at {config.coordinator_address} (this is "
+        f"process {me}; {where}): {waited:.0f} s of distributed.initialization_timeout_s="
+        f"{config.initialization_timeout_s}"
+    )
+
+
+def _never_joined(config: DistributedConfig, waited: float) -> str:
+    """Which processes never joined, as far as this one can tell: the runtime reports nobody's
+    arrival before all have arrived, so only the coordinator's presence can be probed."""
+    me, n = config.process_id, config.num_processes
+    others = [p for p in range(n) if p != me]
+    if me != 0 and not _coordinator_is_up(config):
+        missing = "process 0 (the coordinator) never came up"
+        if n > 2:
+            missing += f"; of processes {[p for p in others if p]} the runtime cannot say"
+    elif n == 2:
+        missing = f"process {others[0]} never joined"
+    else:
+        unknown = [p for p in others if p]
+        missing = f"some of processes {unknown} never joined (the runtime does not say which)"
+    return (
+        f"distributed: {missing} within {waited:.0f} s at {config.coordinator_address} (this is "
+        f"process {me} of {n}); start every process with the same coordinator_address and "
+        "num_processes and its own process_id, or raise distributed.initialization_timeout_s"
     )
 
 

@@ -1,6 +1,11 @@
 """The mesh from the config (DESIGN section 9): sharded training equals one device."""
 
 import json
+import logging
+import os
+import signal
+import socket
+import threading
 
 import jax
 import numpy as np
@@ -10,7 +15,14 @@ from mmgrpo_jax import parallel
 from mmgrpo_jax.rl.batch import Row, pack_rows
 from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.testing import tiny_decoder
-from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, ParallelConfig, SamplerConfig
+from mmgrpo_jax.trainer.config import (
+    DistributedConfig,
+    MMGRPOConfig,
+    OptimConfig,
+    ParallelConfig,
+    SamplerConfig,
+)
+from mmgrpo_jax.trainer.interrupt import Interrupted, StopSignals
 from models.lora import LoRAConfig
 from models.sharding import batch_multiple
 from models.tokenizer import train_bpe_tokenizer
@@ -117,3 +129,65 @@ def test_shares_cover_every_example_once():
     shares = [parallel.share(items, p, 3) for p in range(3)]
     assert [list(s) for s in shares] == [[0, 1, 2], [3, 4], [5, 6]]
     assert parallel.gather_lists([{"a": 1}, 2]) == [{"a": 1}, 2]
+
+
+# ---------------------------------------------------------------- joining the other processes
+
+
+@pytest.fixture
+def blocked_join(monkeypatch):
+    """The runtime's join as a peer that never comes leaves it: blocked (released at the end)."""
+    release = threading.Event()
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: release.wait())
+    monkeypatch.setattr(parallel, "JOIN_REPORT_EVERY_S", 0.2)
+    yield
+    release.set()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lone(process_id, num_processes, timeout_s=1, port=None):
+    address = f"127.0.0.1:{port or free_port()}"
+    return DistributedConfig(address, num_processes, process_id, initialization_timeout_s=timeout_s)
+
+
+def test_a_lone_process_says_how_long_it_waited_and_who_never_joined(blocked_join, caplog):
+    config = lone(0, 2)
+    with caplog.at_level(logging.WARNING), pytest.raises(parallel.JoinTimeout) as caught:
+        parallel.initialize(config)
+    assert str(caught.value) == (
+        f"distributed: process 1 never joined within 1 s at {config.coordinator_address} (this "
+        "is process 0 of 2); start every process with the same coordinator_address and "
+        "num_processes and its own process_id, or raise distributed.initialization_timeout_s"
+    )
+    waits = [r.getMessage() for r in caplog.records if "waiting for the 2 processes" in r.message]
+    assert len(waits) >= 3 and "(this is process 0; this process hosts the coordinator)" in waits[0]
+    assert parallel.join_abandoned()
+
+
+def test_a_process_without_its_coordinator_names_it_and_sees_it_come_up(blocked_join, caplog):
+    port = free_port()
+    with pytest.raises(
+        parallel.JoinTimeout,
+        match=r"^distributed: process 0 \(the coordinator\) "
+        r"never came up; of processes \[2\] the runtime cannot say within 1 s",
+    ):
+        parallel.initialize(lone(1, 3, port=port))
+    up = pytest.raises(parallel.JoinTimeout, match=r"some of processes \[2\] never joined")
+    with socket.create_server(("127.0.0.1", port)), caplog.at_level(logging.WARNING), up:
+        parallel.initialize(lone(1, 3, port=port))
+    assert "the coordinator (process 0) is up" in caplog.text
+
+
+def test_a_signal_while_waiting_stops_the_wait_saying_nothing_started(blocked_join):
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    with StopSignals(), pytest.raises(Interrupted) as caught:
+        parallel.initialize(lone(0, 2, timeout_s=60))
+    assert caught.value.exit_code == 143
+    assert "while waiting for the 2 processes of the run to join" in caught.value.__notes__[0]

@@ -271,9 +271,13 @@ def _stopped(command: str, err: KeyboardInterrupt) -> int:
 
 def entry() -> None:
     """The `mmgrpo` executable. After a stop signal it leaves at once: a rollout thread still
-    blocked in a remote LM call must not keep the process alive once the checkpoint is written."""
+    blocked in a remote LM call must not keep the process alive once the checkpoint is written;
+    nor must a distributed join given up (parallel.join_abandoned)."""
     code = main()
-    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+    parallel = sys.modules.get("mmgrpo_jax.parallel")  # imported only by commands that run
+    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) or (
+        parallel is not None and parallel.join_abandoned()
+    ):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -281,7 +285,9 @@ def entry() -> None:
 
 
 def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())
+    """The error and its notes (e.g. where the run's checkpoint is) as one line."""
+    parts = [str(err), *getattr(err, "__notes__", ())]
+    return "; ".join(" ".join(part.split()) for part in parts)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ from mmgrpo_jax.trainer.config import (
 )
 from mmgrpo_jax.trainer.interrupt import Interrupted, StopSignals
 from mmgrpo_jax.trainer.run_lock import RunLock
-from mmgrpo_jax.trainer.run_log import RunLogger, read_json
+from mmgrpo_jax.trainer.run_log import RunLogError, RunLogger, read_json
 from models.decoder import Decoder
 from models.export import save_peft_adapter
 from models.hf import load_checkpoint
@@ -431,6 +431,7 @@ class MMGRPO:
                 self.run_dir,
                 resumed_step=None if restored is None else done,
                 elapsed=0.0 if restored is None else restored.meta.get("wall_seconds", 0.0),
+                unwritten=() if restored is None else restored.meta.get("log_unwritten", ()),
                 writes=parallel.is_main_process(),
             )
             # a checkpoint holds the state after the last *completed* step, the engine's included
@@ -468,12 +469,16 @@ class MMGRPO:
                         raise
                     # the update donates the train state: a signal waits for the step to finish
                     with stop.deferred():
-                        self._learn(rollouts, lm, learner, guard, step)
+                        record = self._learn(rollouts, lm, learner, guard, step)
                         done, engine_state = step + 1, engine.state_dict()
+                        self.log.log(record)
                         if done % cfg.checkpoint_every == 0:
                             self._save(checkpoints, done, learner, engine_state, program)
                 if valset:
                     self._evaluate(program, valset, greedy, done)
+            except RunLogError as err:  # the log of a completed step: save that step
+                saved(err)
+                raise
             except KeyboardInterrupt as err:
                 why = err.signal_name if isinstance(err, Interrupted) else "KeyboardInterrupt"
                 logger.warning("%s: writing the checkpoint of step %d before exiting", why, done)
@@ -562,8 +567,8 @@ class MMGRPO:
 
     def _learn(
         self, rollouts: _StepRollouts, lm: EngineLM, learner: _Learner, guard: _Guard, step: int
-    ) -> None:
-        """Update on the step's rows, send the engine the new weights, log the step."""
+    ) -> dict[str, float]:
+        """Update on the step's rows, send the engine the new weights; the step's log row."""
         cfg = self.config
         seconds = dict(rollouts.seconds)
         update: dict[str, float] = {}
@@ -599,7 +604,7 @@ class MMGRPO:
             rollouts.engine,
         )
         record = {"step": float(step + 1), "lr": float(cfg.optim.schedule(cfg.num_steps)(step))}
-        self.log.log({**record, **metrics})
+        return {**record, **metrics}
 
     def _update(
         self, learner: _Learner, batch: Batch, guard: _Guard, step: int
@@ -794,5 +799,6 @@ class MMGRPO:
             "program": program.dump_state(),
             "config": dataclasses.asdict(self.config),
             "wall_seconds": self.log.elapsed,
+            "log_unwritten": self.log.unwritten,  # rows a resume writes (RunLogError)
         }
         checkpoints.save(step, learner.state, learner.frozen.reference, meta)

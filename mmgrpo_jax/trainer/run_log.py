@@ -12,13 +12,18 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from mmgrpo_jax.errors import UserError
 
 logger = logging.getLogger(__name__)
+
+
+class RunLogError(UserError):
+    """A run file that cannot be written (metrics.jsonl, TensorBoard events): the run stops,
+    with the state of its last completed step saved (MMGRPO.compile)."""
 
 
 def read_rows(path: Path) -> list[dict[str, float]]:
@@ -37,8 +42,9 @@ def read_rows(path: Path) -> list[dict[str, float]]:
 class RunLogger:
     """`resumed_step`: the step of the checkpoint a resumed run starts from (None: a fresh run,
     which starts the log anew); `elapsed`: the wall seconds the run had spent before it;
-    `writes=False` (every process of a multi-process run but the first) keeps the history in
-    memory only."""
+    `unwritten`: rows the run could not write before it stopped (the checkpoint keeps them:
+    `self.unwritten`); `writes=False` (every process of a multi-process run but the first)
+    keeps the history in memory only."""
 
     def __init__(
         self,
@@ -47,6 +53,7 @@ class RunLogger:
         *,
         resumed_step: int | None = None,
         elapsed: float = 0.0,
+        unwritten: Sequence[Mapping[str, float]] = (),
         writes: bool = True,
     ) -> None:
         self.run_dir = Path(run_dir)
@@ -59,6 +66,8 @@ class RunLogger:
             rows = read_rows(self.metrics_path)
             # rows logged at x <= the checkpoint's step describe state it holds
             self.history = [r for r in rows if r.get("step", 0) <= resumed_step]
+        self.history += [dict(r) for r in unwritten if r not in self.history]
+        self.unwritten: list[dict[str, float]] = []
         if writes:
             self._rewrite()
         self.started = time.perf_counter() - elapsed
@@ -92,14 +101,22 @@ class RunLogger:
         self.history.append(record)
         if not self.writes:
             return
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:
+            self.unwritten.append(record)
+            raise RunLogError(f"{self.metrics_path} cannot be written ({err.strerror})") from None
         if self._writer is not None:
             step = int(record.get("step", len(self.history)))
-            for key, value in record.items():
-                if key != "step" and math.isfinite(value):
-                    self._writer.add_scalar(key, value, step)
-            self._writer.flush()
+            try:
+                for key, value in record.items():
+                    if key != "step" and math.isfinite(value):
+                        self._writer.add_scalar(key, value, step)
+                self._writer.flush()
+            except OSError as err:
+                where = self.run_dir / "tensorboard"
+                raise RunLogError(f"{where} cannot be written ({err.strerror})") from None
 
     def close(self, summary: Mapping[str, Any]) -> dict[str, Any]:
         """Write summary.json (with eval before/after and wall time) and the curve PNG."""
@@ -116,7 +133,11 @@ class RunLogger:
         if not self.writes:
             return full
         # atomic: summary.json is how a sweep (or a resume) knows the run finished
-        write_atomic(self.run_dir / "summary.json", json.dumps(full, indent=2))
+        path = self.run_dir / "summary.json"
+        try:
+            write_atomic(path, json.dumps(full, indent=2))
+        except OSError as err:
+            raise RunLogError(f"{path} cannot be written ({err.strerror})") from None
         self._plot()
         if self._writer is not None:
             self._writer.close()

@@ -5,6 +5,7 @@ Real processes on 127.0.0.1, each with its own fake CPU devices, joined by jax.d
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -124,3 +125,40 @@ def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path):
 
 def _lines(path):
     return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.slow
+def test_a_lone_process_reports_its_wait_and_stops_on_time_or_on_a_signal(tmp_path):
+    """The real runtime with no second process: a progress line, then at the timeout one line
+    naming the process that never joined (exit 2, no abort, no run_dir); a SIGTERM while
+    waiting exits 143 at once."""
+    lone = [
+        "distributed.num_processes=2",
+        "distributed.process_id=0",
+        "distributed.initialization_timeout_s=12",
+    ]
+    run_dir, log = tmp_path / "run", tmp_path / "log.txt"
+    port = free_port()
+    started = time.monotonic()
+    p = demo(
+        run_dir, *lone, f"distributed.coordinator_address=127.0.0.1:{port}", devices=1, log=log
+    )
+    assert p.wait(timeout=60) == 2, log.read_text()[-3000:]
+    assert time.monotonic() - started < 40
+    lines = log.read_text().strip().splitlines()
+    assert "waiting for the 2 processes of the run" in lines[0]
+    assert lines[-1].startswith("mmgrpo demo: distributed: process 1 never joined within 12 s")
+    assert not any("Traceback" in x or "Check failure" in x for x in lines)
+    assert not run_dir.exists()
+
+    p = demo(
+        run_dir,
+        *lone,
+        f"distributed.coordinator_address=127.0.0.1:{free_port()}",
+        devices=1,
+        log=log,
+    )
+    time.sleep(6)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=10) == 143
+    assert "stopped by SIGTERM; while waiting for the 2 processes" in log.read_text()

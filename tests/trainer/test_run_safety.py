@@ -311,6 +311,44 @@ def test_a_crash_and_resume_log_one_row_per_step_and_the_uninterrupted_summary(t
     assert after == before
 
 
+def test_an_unwritable_log_saves_the_completed_step_and_a_resume_writes_its_row(
+    tokenizer, tmp_path
+):
+    """metrics.jsonl turns into a folder during step 2's rollouts (a log that can no longer be
+    written): step 2's update completes, its state is checkpointed (none was due), the error
+    says so in one line, and once the file is back a resume ends with every row of a run that
+    was never stopped, step 2's included (the checkpoint carried it)."""
+    steps = dict(num_steps=3, checkpoint_every=10, eval_every=100)
+    run(tokenizer, config(tmp_path / "a", **steps))
+    run_dir = tmp_path / "b" / "run"
+    log, aside = run_dir / "metrics.jsonl", run_dir / "metrics.jsonl.aside"
+    calls = []
+
+    def breaks_the_log(example, prediction):
+        calls.append(1)
+        if len(calls) == 2 + 6 + 1:  # eval at 0 (2 calls), step 1 (6), then step 2
+            log.rename(aside)
+            log.mkdir()
+        return reward(example, prediction)
+
+    with pytest.raises(UserError) as caught:
+        run(tokenizer, config(tmp_path / "b", **steps), metric=breaks_the_log)
+    assert str(caught.value) == f"{log} cannot be written (Is a directory)"
+    assert caught.value.__notes__ == [
+        f"the checkpoint of step 2 is in {str(run_dir)!r}; resume=true continues the run"
+    ]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2"]
+    log.rmdir()
+    aside.rename(log)
+    run(tokenizer, config(tmp_path / "b", resume=True, **steps))
+
+    def numbers(rs):  # timings differ from run to run; compiles (perf/) recur after a resume
+        skip = ("time", "per_s", "perf/")
+        return [{k: v for k, v in r.items() if not any(x in k for x in skip)} for r in rs]
+
+    assert numbers(rows(run_dir)) == numbers(rows(tmp_path / "a" / "run"))
+
+
 def test_a_resume_with_a_changed_config_is_refused_listing_the_differences(tokenizer, tmp_path):
     run(tokenizer, config(tmp_path, num_steps=1, eval_every=100))
     changed = config(
