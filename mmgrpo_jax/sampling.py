@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -26,6 +27,7 @@ from jax.sharding import Mesh
 
 from mmgrpo_jax.shapes import bucket
 from models.attention import AttentionMask
+from models.config import ModelConfig
 from models.decoder import Decoder, KVCache
 from models.sharding import batch_multiple, batch_sharding, cache_sharding
 
@@ -276,10 +278,20 @@ def _decode(
     return jax.lax.while_loop(cond, body, init)
 
 
-def check_arguments(prompts, vocab, max_new_tokens, temperature, top_p, top_k) -> None:
+def check_arguments(
+    prompts: Sequence[Sequence[int]],
+    config: ModelConfig,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+) -> None:
+    """Refuse, naming the value, what the sampler cannot do right (rather than sample garbage):
+    positions past the model's `max_position_embeddings` included."""
+    vocab, positions = config.vocab_size, config.max_position_embeddings
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
+    if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
@@ -291,6 +303,11 @@ def check_arguments(prompts, vocab, max_new_tokens, temperature, top_p, top_k) -
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+        if len(prompt) + max_new_tokens > positions:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} "
+                f"that passes the model's max_position_embeddings={positions}"
+            )
 
 
 def generate(
@@ -318,8 +335,7 @@ def generate(
     """
     if not prompts:
         return []
-    vocab = model.config.vocab_size
-    check_arguments(prompts, vocab, max_new_tokens, temperature, top_p, top_k)
+    check_arguments(prompts, model.config, max_new_tokens, temperature, top_p, top_k)
     params = SamplingParams(
         greedy=temperature == 0,
         top_k=int(top_k),

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,8 @@ from mmgrpo_jax import sampling
 from mmgrpo_jax.sampling import generate
 from mmgrpo_jax.shapes import bucket
 from models.attention import AttentionConfig
+from models.config import ModelConfig
+from models.decoder import Decoder
 from models.hf import from_pretrained
 from tests.models.hf_fixtures import VOCAB, load_hf
 
@@ -246,3 +250,26 @@ def test_path_keys_are_fold_in_chains_and_refuse_bad_values(model):
         sampling.path_key(5, (2, -1))
     with pytest.raises(ValueError, match=r"keys has shape \(2,\), want one key per prompt \(4,\)"):
         generate(model, PROMPTS, max_new_tokens=2, keys=sampling.row_keys(0, 2))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "settings", "message"),
+    [
+        ([1, 2], {"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+        ([1, 2], {"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+        ([1, 2], {"temperature": float("nan")}, "temperature must be >= 0, got nan"),
+        ([1, 2], {"top_p": 2.0}, r"top_p must be in \(0, 1\], got 2.0"),
+        ([], {}, "prompt 0 is empty"),
+        (
+            [1] * 60,
+            {"max_new_tokens": 8},
+            "prompt 0 has 60 tokens; with max_new_tokens=8 that passes the model's "
+            "max_position_embeddings=64",
+        ),
+    ],
+)
+def test_requests_the_sampler_cannot_serve_are_refused_naming_the_value(prompt, settings, message):
+    config = dataclasses.replace(ModelConfig.tiny(32), max_position_embeddings=64)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=message):
+        generate(model, [prompt], **{"max_new_tokens": 4, **settings})

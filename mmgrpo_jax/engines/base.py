@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -123,7 +124,8 @@ class RolloutEngine(Protocol):
 
 
 def check_weights(current: nnx.State, new: nnx.State) -> None:
-    """Raise a ValueError naming the first path whose presence, shape or dtype differs."""
+    """Raise a ValueError naming the first path whose presence, shape or dtype differs, or
+    whose values are not all finite (an engine never samples from NaN weights)."""
     have = dict(nnx.to_flat_state(current))
     got = dict(nnx.to_flat_state(new))
 
@@ -151,6 +153,20 @@ def check_weights(current: nnx.State, new: nnx.State) -> None:
                 f"update_weights: {name(path)!r} has dtype {value.dtype}, the engine's has "
                 f"{want.dtype}"
             )
+    floating = [p for p in got if jnp.issubdtype(_array(got[p]).dtype, jnp.inexact)]
+    # one transfer for the whole tree
+    finite = jax.device_get(_all_finite([_array(got[p]) for p in floating]))
+    bad = sorted((p for p, ok in zip(floating, finite, strict=True) if not ok), key=name)
+    if bad:
+        raise ValueError(
+            f"update_weights: {name(bad[0])!r} has non-finite values ({len(bad)} parameter(s) "
+            "do); the engine keeps its weights"
+        )
+
+
+@jax.jit
+def _all_finite(arrays: list[jax.Array]) -> list[jax.Array]:
+    return [jnp.all(jnp.isfinite(array)) for array in arrays]
 
 
 def _array(leaf: Any) -> jax.Array | np.ndarray:

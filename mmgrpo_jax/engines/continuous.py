@@ -234,7 +234,7 @@ class ContinuousEngine(LocalEngine):
         try:
             check_arguments(
                 [request.prompt_ids],
-                self.model_config.vocab_size,
+                self.model_config,
                 settings.max_new_tokens,
                 settings.temperature,
                 settings.top_p,

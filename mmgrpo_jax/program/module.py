@@ -8,6 +8,7 @@ stable dotted name (``"hop.query"``, ``"steps[1]"``) used by traces, grouping an
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,6 +31,21 @@ class Module:
 
     def forward(self, **inputs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define forward(**inputs)")
+
+    def check_inputs(self, inputs: Mapping[str, Any], where: str) -> None:
+        """Refuse, before anything runs, inputs that `forward` cannot take (a dataset row
+        missing a field the program reads, or one it does not know); `where` names the row."""
+        try:
+            signature = inspect.signature(self.forward)
+        except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+            return
+        try:
+            signature.bind(**inputs)
+        except TypeError as err:
+            raise ValueError(
+                f"{where}: {type(self).__name__}.forward{signature} cannot take its inputs "
+                f"{sorted(inputs)} ({err})"
+            ) from None
 
     def named_predictors(self) -> list[tuple[str, Predict]]:
         """Every predictor reachable from this module with its dotted name, first name wins."""

@@ -46,6 +46,22 @@ class TokenTerms:
 TokenObjective = Callable[["LossConfig", TokenInputs], TokenTerms]
 
 
+def _check_terms(variant: str, terms: Any, shape: tuple[int, ...]) -> None:
+    """A registered objective's TokenTerms must be [B, T] each: a [B] or scalar term would
+    broadcast silently into a wrong loss. Shapes are static: this runs once, at trace time."""
+    if not isinstance(terms, TokenTerms):
+        raise TypeError(
+            f"loss variant {variant!r} returned a {type(terms).__name__}, not TokenTerms"
+        )
+    for field in dataclasses.fields(TokenTerms):
+        got = getattr(terms, field.name)
+        if getattr(got, "shape", None) != shape:
+            raise ValueError(
+                f"loss variant {variant!r} returned TokenTerms.{field.name} of shape "
+                f"{getattr(got, 'shape', type(got).__name__)}; every term must be [B, T]={shape}"
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     token_terms: TokenObjective
@@ -215,6 +231,7 @@ def policy_loss(
     adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))[:, None]  # [B, 1]
 
     terms = variant.token_terms(cfg, TokenInputs(logps, old_logps, log_ratio, adv, mask, batch))
+    _check_terms(cfg.variant, terms, mask.shape)
     per_token = terms.loss
     kl = jnp.zeros_like(per_token)
     if ref_logps is not None:

@@ -29,6 +29,10 @@ from mmgrpo_jax.rl.types import Metric, Status, Trajectory
 logger = logging.getLogger(__name__)
 
 
+# |reward| bound: a group's (or a batch's) sum of squared deviations must stay finite in float32
+MAX_ABS_REWARD = 1e15
+
+
 def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
@@ -48,6 +52,11 @@ def _as_reward(value: Any) -> float:
     reward = float(value)
     if not math.isfinite(reward):
         raise ValueError(f"metric returned a non-finite reward {reward!r}")
+    if abs(reward) > MAX_ABS_REWARD:
+        raise ValueError(
+            f"metric returned {reward!r}, beyond +-{MAX_ABS_REWARD:g}: advantages are computed in "
+            "float32, where the squares of such rewards overflow; rescale the metric"
+        )
     return reward
 
 
@@ -176,8 +185,9 @@ def _run_jobs(
     on_result: Callable[[Trajectory], None] | None = None,
     key_prefix: tuple[int, ...] | None = None,
 ) -> list[Trajectory]:
-    for _, example, _, _ in jobs:
-        example.inputs()  # fail here, not in a worker thread, on a row without input keys
+    for program, example, e, _ in jobs:
+        # fail here, not in a worker thread, on a row without input keys or the program's
+        program.check_inputs(example.inputs(), f"example {e}")
     if not jobs:
         return []
     workers = max_workers if max_workers is not None else min(len(jobs), 256)

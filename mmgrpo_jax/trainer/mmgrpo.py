@@ -411,7 +411,7 @@ class MMGRPO:
         self, program: Module, trainset: Sequence[Example], valset: Sequence[Example] = ()
     ) -> Module:
         cfg = self.config
-        self._check_data(cfg, trainset, valset)
+        self._check_data(cfg, program, trainset, valset)
         with ExitStack() as closing:
             stop = closing.enter_context(StopSignals())
             if parallel.is_main_process():  # before the checkpoints: one writer
@@ -656,15 +656,23 @@ class MMGRPO:
     # -- set-up and teardown -------------------------------------------------------------------
     @staticmethod
     def _check_data(
-        cfg: MMGRPOConfig, trainset: Sequence[Example], valset: Sequence[Example]
+        cfg: MMGRPOConfig,
+        program: Module,
+        trainset: Sequence[Example],
+        valset: Sequence[Example],
     ) -> None:
         if cfg.examples_per_step > len(trainset):
             raise UserError(
                 f"MMGRPOConfig.examples_per_step={cfg.examples_per_step} is larger than the "
                 f"trainset ({len(trainset)} examples)"
             )
-        for example in [*trainset, *valset]:
-            example.inputs()  # every row must name its inputs before any compute
+        # every row must name inputs the program takes before any compute
+        for name, rows in (("trainset", trainset), ("valset", valset)):
+            for i, example in enumerate(rows):
+                try:
+                    program.check_inputs(example.inputs(), f"{name}[{i}]")
+                except ValueError as err:
+                    raise UserError(str(err)) from None
 
     def _learner(self) -> _Learner:
         cfg = self.config

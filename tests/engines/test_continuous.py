@@ -188,8 +188,18 @@ def test_bad_requests_fail_in_their_caller_only(model):
         eng.submit(Request((1, 300), Sampling(max_new_tokens=4))),
         eng.submit(Request((1,), Sampling(max_new_tokens=4, top_p=0.0))),
         eng.submit(Request((1,) * 200, Sampling(max_new_tokens=100))),
+        eng.submit(Request((1,), Sampling(max_new_tokens=4, temperature=-1.0))),
+        eng.submit(Request((1,) * 8190, Sampling(max_new_tokens=4))),
     ]
-    messages = ["prompt 0 is empty", r"outside \[0, 300\): \[300\]", "top_p must be in", "exceed"]
+    messages = [
+        "prompt 0 is empty",
+        r"outside \[0, 300\): \[300\]",
+        "top_p must be in",
+        "exceed",
+        "temperature must be >= 0, got -1.0",
+        "prompt 0 has 8190 tokens; with max_new_tokens=4 that passes the model's "
+        "max_position_embeddings=8192",
+    ]
     for future, message in zip(bad, messages, strict=True):
         with pytest.raises(ValueError, match=message):
             future.result(timeout=60)

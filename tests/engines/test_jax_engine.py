@@ -149,6 +149,18 @@ def test_update_weights_names_the_first_mismatch(tokenizer):
             engine.update_weights(nnx.state(model, only_q))
         with pytest.raises(ValueError, match="unexpected parameter 'embed"):
             engine.update_weights(nnx.state(model, nnx.Param))
+        flat = dict(nnx.to_flat_state(jax.tree.map(lambda x: x, lora)))
+        for path in [
+            ("layers", "mlp", "up_proj", "lora_b"),
+            ("layers", "self_attn", "q_proj", "lora_a"),
+        ]:
+            flat[path].set_value(flat[path].get_value().at[0, 0].set(jnp.nan))
+        with pytest.raises(
+            ValueError,
+            match=r"'layers.mlp.up_proj.lora_b' has non-finite values "
+            r"\(2 parameter\(s\) do\); the engine keeps its weights",
+        ):
+            engine.update_weights(nnx.from_flat_state(flat))
     finally:
         engine.close()
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmgrpo_jax.rl.losses import VARIANTS, LossConfig, policy_loss
+from mmgrpo_jax.rl.losses import VARIANTS, LossConfig, TokenTerms, policy_loss, register_loss
 
 jax.config.update("jax_enable_x64", False)
 B, T, L = 6, 7, 10  # rows, completion positions, dr_grpo's max_completion_length
@@ -306,3 +306,28 @@ def test_beta_without_reference_is_an_error():
     logps, old, _, adv, mask = random_batch(0)
     with pytest.raises(ValueError, match="needs ref_logps"):
         run(config("grpo", beta=0.1), logps, old, adv, mask)
+
+
+@pytest.mark.parametrize(
+    ("terms", "message"),
+    [
+        # a per-row loss would broadcast over the tokens: the wrong number, silently
+        (
+            lambda x: TokenTerms((-x.advantages * x.logps).sum(-1), x.logps, x.mask, x.mask),
+            r"returned TokenTerms.loss of shape \(6,\); every term must be \[B, T\]=\(6, 7\)",
+        ),
+        (
+            lambda x: TokenTerms(-x.advantages * x.logps, 1.0, x.mask, x.mask),
+            r"returned TokenTerms.ratio of shape float; every term must be",
+        ),
+        (lambda x: (-x.advantages * x.logps,), "returned a tuple, not TokenTerms"),
+    ],
+)
+def test_a_registered_loss_with_wrong_shapes_is_refused_naming_the_term(terms, message):
+    register_loss("misshapen", lambda cfg, x: terms(x), aggregation="token_mean_global")
+    try:
+        logps, old, _, adv, mask = random_batch(0)
+        with pytest.raises((ValueError, TypeError), match=rf"loss variant 'misshapen' {message}"):
+            run(LossConfig("misshapen"), logps, old, adv, mask)
+    finally:
+        VARIANTS.pop("misshapen")

@@ -17,13 +17,16 @@ from flax import nnx
 import mmgrpo_jax
 from mmgrpo_jax import LossConfig, TokenTerms
 from mmgrpo_jax.errors import UserError
+from mmgrpo_jax.program import Example
 from mmgrpo_jax.rl.losses import VARIANTS
-from mmgrpo_jax.testing import tiny_decoder
+from mmgrpo_jax.rl.rollout import run_rollouts
+from mmgrpo_jax.testing import ScriptedLM, tiny_decoder
 from mmgrpo_jax.trainer.checkpoint import array_records
 from mmgrpo_jax.trainer.interrupt import Interrupted
-from mmgrpo_jax.trainer.mmgrpo import MMGRPO
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, _Guard
 from mmgrpo_jax.trainer.run_lock import RunLock
 from models.lora import LoRAConfig
+from tests.rl.test_rollout import EXAMPLE, GOOD, TwoStep, exact
 from tests.trainer.test_mmgrpo import (
     TRAIN,
     VAL,
@@ -380,6 +383,40 @@ def test_a_metric_that_raises_on_every_rollout_stops_the_run(tokenizer, tmp_path
     assert [r["step"] for r in rows(tmp_path / "run") if "loss" in r] == [
         1.0
     ]  # step 2 was never trained on
+
+
+def test_a_row_the_program_cannot_take_is_refused_before_anything_runs(tokenizer, tmp_path):
+    model = new_model(tokenizer)
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    cfg = config(tmp_path, eval_every=100)
+    trainer = MMGRPO(reward, cfg, model=model, tokenizer=tokenizer, stop_token_ids=stop)
+    odd = Example(query="q?", answer="x").with_inputs("query")
+    with pytest.raises(
+        UserError,
+        match=r"^valset\[1\]: TwoModules.forward\(question\) cannot take its inputs "
+        r"\['query'\] \(missing a required argument: 'question'\)$",
+    ):
+        trainer.compile(TwoModules(), TRAIN, [VAL[0], odd])
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_program_that_raises_on_every_call_stops_the_run_naming_the_error():
+    """Every rollout an error carrying its exception; the guard stops the run after
+    max_failed_steps such steps (compile saves the last completed step first)."""
+    trajectories = run_rollouts(
+        TwoStep(crash=True), [EXAMPLE], exact, num_rollouts=3, lm=ScriptedLM(lambda m: GOOD)
+    )
+    assert {(t.status, t.reward, t.error) for t in trajectories} == {
+        ("error", 0.0, "program raised ZeroDivisionError: tool failed")
+    }
+    guard = _Guard(mmgrpo_jax.MMGRPOConfig(max_failed_steps=2, num_rollouts=3))
+    guard.check_rollouts(trajectories, step=0)
+    with pytest.raises(
+        UserError,
+        match=r"^step 2: 3 of 3 rollouts raised, 2 steps in a row \(max_failed_steps=2\); "
+        r"the first: program raised ZeroDivisionError: tool failed$",
+    ):
+        guard.check_rollouts(trajectories, step=1)
 
 
 # ---------------------------------------------------------------- the pieces, one by one
