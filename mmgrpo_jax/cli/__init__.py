@@ -134,8 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     config_cls, run = _command(args.command, dry_run=getattr(args, "dry_run", False))
     try:
         config = load_config(config_cls, args.config, overrides)
-    except (ValueError, FileNotFoundError) as err:
-        parser.error(str(err))
+    except (ValueError, FileNotFoundError) as err:  # a value or a path: one line, no usage block
+        print(f"mmgrpo {args.command}: {_one_line(err)}", file=sys.stderr)
+        return 2
     try:
         # SIGTERM stops any command the way Ctrl-C does; training nests its own StopSignals,
         # which hold a signal back while an update or a checkpoint write runs
