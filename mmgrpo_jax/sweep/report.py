@@ -236,6 +236,24 @@ def runs_csv(config: SweepConfig, results: Sequence[RunResult]) -> str:
     return buffer.getvalue()
 
 
+def runs_dropped(config: SweepConfig, results: Sequence[RunResult]) -> list[str]:
+    """The runs the sweep folder's runs.csv lists as finished that `results` lacks (their run
+    folders are gone, e.g. a fresh clone of committed results): a report of `results` alone
+    would lose them."""
+    path = Path(config.out) / "runs.csv"
+    if not path.is_file():
+        return []
+    axes = [axis.name for axis in config.grid]
+    with path.open(newline="") as f:
+        listed = [row for row in csv.DictReader(f) if row.get("seed")]
+    found = {(tuple(dict(r.cell.labels)[a] for a in axes), str(r.seed)) for r in results}
+    return [
+        row.get("run_dir") or f"seed {row['seed']}"
+        for row in listed
+        if (tuple(row.get(a, "") for a in axes), row["seed"]) not in found
+    ]
+
+
 def plot_curves(config: SweepConfig, results: Sequence[RunResult], path: Path) -> None:
     """Per cell the mean curve over its seeds and its bootstrap band, at the steps every seed
     logged; one panel per value of the first axis when there are several axes."""

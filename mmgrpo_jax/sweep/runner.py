@@ -28,7 +28,14 @@ from tqdm import tqdm
 
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.sweep.child import PARENT_ENV
-from mmgrpo_jax.sweep.report import CellRow, RunResult, UnreadableRun, read_run, write_report
+from mmgrpo_jax.sweep.report import (
+    CellRow,
+    RunResult,
+    UnreadableRun,
+    read_run,
+    runs_dropped,
+    write_report,
+)
 from mmgrpo_jax.sweep.spec import Cell, SweepConfig, identity_json
 from mmgrpo_jax.trainer.config import changed_keys, describe_changes, flatten
 from mmgrpo_jax.trainer.run_lock import RunLock
@@ -106,10 +113,24 @@ def run_sweep(
             else:
                 todo.append((cell, seed))
         skipped = len(results)
-        rows = write_report(config, results)
+        dropped = runs_dropped(config, results)
+        if dropped and report_only:  # never replace a table with one of fewer runs
+            raise UserError(
+                f"--report-only: {config.out}/runs.csv lists {len(dropped)} finished run(s) "
+                f"whose folders are not here (the first: {dropped[0]}); the table there stays "
+                "as it is: run the sweep to redo them"
+            )
+        if dropped:
+            logger.warning(
+                "%s/runs.csv lists %d finished run(s) whose folders are not here (the first: "
+                "%s): they are run again, and the table is rewritten as they finish",
+                config.out,
+                len(dropped),
+                dropped[0],
+            )
+        rows = [] if dropped else write_report(config, results)
         if not report_only:
             failures += _run_all(config, todo, results, plan, progress)
-        if not report_only:
             rows = write_report(config, results)
     if out is not None:
         print((sweep_dir / "table.md").read_text(), file=out)

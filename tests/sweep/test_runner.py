@@ -2,6 +2,7 @@ import csv
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -274,3 +275,23 @@ def test_sigterm_stops_every_run_and_the_same_sweep_finishes_them(tmp_path):
     _, stderr = again.communicate(timeout=120)
     assert again.returncode == 0, stderr
     assert len(list(csv.DictReader((out / "runs.csv").open()))) == 4
+
+
+def test_report_only_never_replaces_a_table_with_one_of_fewer_runs(tmp_path, fake_runs, caplog):
+    """A fresh clone has the committed table but not the run folders: --report-only refuses,
+    naming them, and leaves every file as it was; a real sweep warns and redoes them."""
+    config = _config(tmp_path / "sweep", seeds="0")
+    run_sweep(config, progress=False)
+    for run in (tmp_path / "sweep" / "runs").iterdir():
+        shutil.rmtree(run)
+    committed = {p.name: p.read_bytes() for p in (tmp_path / "sweep").glob("*.*")}
+    with pytest.raises(
+        UserError,
+        match=r"^--report-only: .*runs.csv lists 2 finished run\(s\) "
+        r"whose folders are not here \(the first: .*lr-0.002/seed0\)",
+    ):
+        run_sweep(config, progress=False, report_only=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "sweep").glob("*.*")} == committed
+    report = run_sweep(config, progress=False)
+    assert "lists 2 finished run(s) whose folders are not here" in caplog.text
+    assert len(report.results) == 2 and not report.failures
