@@ -133,6 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = [*args.overrides, *_flag_overrides(args)]
     config_cls, run = _command(args.command, dry_run=getattr(args, "dry_run", False))
     try:
+        if args.command == "demo":  # resume=true: the run's own settings unless given
+            from mmgrpo_jax.cli import demo
+
+            overrides = [*demo.resume_overrides(args.config, overrides), *overrides]
         config = load_config(config_cls, args.config, overrides)
     except (ValueError, FileNotFoundError) as err:  # a value or a path: one line, no usage block
         print(f"mmgrpo {args.command}: {_one_line(err)}", file=sys.stderr)

@@ -23,12 +23,14 @@ import logging
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from transformers import PreTrainedTokenizerFast
 
 from mmgrpo_jax import parallel
+from mmgrpo_jax.cli.config import config_tree
 from mmgrpo_jax.engines.base import Sampling
 from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.errors import UserError
@@ -63,6 +65,9 @@ METHODS = ("mmgrpo", "vanilla", "prompt_opt", "better_together")
 RESUME_FREE = ("run_dir", "resume", "progress")
 # the demo fields the policy is built from, which MMGRPOConfig (checked on resume) does not hold
 POLICY_FIELDS = ("testbed", "hidden_size", "num_layers", "head_scale", "unknown_words")
+SETTINGS_FILE = "demo.json"  # in a run_dir: the settings the run was started with
+# not a run's settings: where it runs, how it is shown, its devices
+UNRECORDED = ("run_dir", "resume", "progress", "parallel", "distributed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +210,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     if parallel.is_main_process():
         with RunLock(run_dir):
             record_policy(config, run_dir)
+            record_settings(config, run_dir)
     model, tokenizer = tiny_policy(config)
     bed = testbed(config.testbed)
     optimizer = MMGRPO(
@@ -216,6 +222,38 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     )
     optimizer.compile(bed.program(), bed.trainset(), bed.valset())
     return {**optimizer.summary, "run_dir": str(run_dir)}
+
+
+def record_settings(config: DemoConfig, run_dir: Path) -> None:
+    """Write the settings a run starts with to run_dir/demo.json (once: a resume keeps the
+    first), so that `resume=true` continues the run as it was started (resume_overrides)."""
+    path = run_dir / SETTINGS_FILE
+    if not path.is_file():
+        settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in UNRECORDED}
+        write_atomic(path, json.dumps(settings, indent=2))
+
+
+def resume_overrides(config_file: str | None, overrides: Sequence[str]) -> list[str]:
+    """For `resume=true`: the settings recorded in run_dir that neither the YAML file nor an
+    override gives, as overrides to put first (a resume continues the run as it was started;
+    what the user gives wins, and the trainer says or refuses each change)."""
+    tree = config_tree(config_file, overrides)
+    if tree.get("resume") is not True or not tree.get("run_dir"):
+        return []
+    run_dir = Path(str(tree["run_dir"]))
+    recorded: dict[str, Any] = {}
+    for name in ("policy.json", SETTINGS_FILE):  # policy.json alone: a run before demo.json
+        if (run_dir / name).is_file():
+            recorded.update(read_json(run_dir / name, "restore it or choose another run_dir"))
+    kept = {k: v for k, v in recorded.items() if k not in tree}
+    if kept:
+        listed = ", ".join(f"{k}={v}" for k, v in kept.items())
+        logger.warning(
+            "resuming %s with the settings it was started with (%s); give key=value to change one",
+            run_dir,
+            listed,
+        )
+    return [f"{k}={json.dumps(v)}" for k, v in kept.items()]
 
 
 def record_policy(config: DemoConfig, run_dir: Path) -> None:
@@ -259,6 +297,7 @@ def run_method(config: DemoConfig, run_dir: Path) -> dict[str, Any]:
     with RunLock(run_dir):
         if finished.is_file():
             return {**finished_method(finished, settings, config.resume), "run_dir": str(run_dir)}
+        record_settings(config, run_dir)
         if config.method == "better_together":
             check_run_dir(stage_config)
         start = time.perf_counter()

@@ -6,7 +6,8 @@ import logging
 import pytest
 
 from mmgrpo_jax import cli
-from mmgrpo_jax.cli.demo import DemoConfig, record_policy, tiny_policy
+from mmgrpo_jax.cli import demo
+from mmgrpo_jax.cli.demo import DemoConfig, record_policy, record_settings, tiny_policy
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.program import adapter
 from models.tokenizer import chat_prompt_ids
@@ -57,3 +58,23 @@ def test_a_policy_json_that_is_not_json_is_one_line_naming_it(tmp_path, capsys):
     assert len(err) == 1 and "Traceback" not in err[0]
     assert f"{tmp_path / 'policy.json'} cannot be read (JSONDecodeError" in err[0]
     assert "restore it or choose another run_dir" in err[0]
+
+
+def test_resume_continues_the_run_with_the_settings_it_was_started_with(
+    tmp_path, monkeypatch, caplog
+):
+    """`demo run_dir=... resume=true` resumes a counter run of 6 steps as one (it needed
+    testbed=counter again and quietly became 150 steps); what the user gives still wins."""
+    started = DemoConfig(testbed="counter", num_steps=6, examples_per_step=2, run_dir=str(tmp_path))
+    record_settings(started, tmp_path)
+    seen = []
+    monkeypatch.setattr(demo, "main", lambda config, out: seen.append(config) or 0)
+    with caplog.at_level(logging.WARNING):
+        assert cli.main(["demo", f"run_dir={tmp_path}", "resume=true"]) == 0
+    assert (seen[0].testbed, seen[0].num_steps, seen[0].examples_per_step) == ("counter", 6, 2)
+    assert seen[0].resume and seen[0].run_dir == str(tmp_path)
+    assert "with the settings it was started with (testbed=counter" in caplog.text
+    assert cli.main(["demo", f"run_dir={tmp_path}", "resume=true", "num_steps=10"]) == 0
+    assert (seen[1].testbed, seen[1].num_steps) == ("counter", 10)
+    assert cli.main(["demo", f"run_dir={tmp_path / 'fresh'}", "num_steps=3"]) == 0
+    assert (seen[2].testbed, seen[2].num_steps) == ("two_doors", 3)  # no resume: no record read
