@@ -68,6 +68,8 @@ class BM25Retriever:
     ) -> None:
         import bm25s
 
+        # bm25s sets its logger to DEBUG on import: its per-call lines are not the user's
+        logging.getLogger("bm25s").setLevel(logging.WARNING)
         self._bm25s = bm25s
         self.corpus_path = Path(corpus_path)
         if not self.corpus_path.is_file():

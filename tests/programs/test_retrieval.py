@@ -1,5 +1,6 @@
 import http.server
 import json
+import logging
 import threading
 
 import pytest
@@ -29,6 +30,15 @@ def test_bm25_finds_the_expected_passage(corpus, tmp_path):
     assert title_of(hits[0]) == "Colosseum"
     assert hits[0] == "Colosseum | oval amphitheatre in the centre of Rome, Italy"
     assert len(retriever("tower", 10)) == 4  # k is capped at the corpus size
+
+
+def test_bm25s_debug_lines_are_not_shown(corpus, tmp_path, caplog):
+    """bm25s sets its own logger to DEBUG: with any root handler (a notebook, a script's
+    basicConfig) its "Building index" lines would print on every index and query."""
+    with caplog.at_level(logging.DEBUG):
+        retriever = BM25Retriever(corpus, cache_dir=tmp_path / "cache")
+        retriever("chess", k=1)
+    assert not [r for r in caplog.records if r.name.startswith("bm25s")]
 
 
 def test_bm25_index_is_built_once_and_reused(corpus, tmp_path, monkeypatch):
