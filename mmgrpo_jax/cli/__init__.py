@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import signal
 import sys
@@ -25,6 +26,27 @@ from models.config import CheckpointError
 def _config_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--config", help=f"YAML file with {what} fields")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="field overrides")
+    parser.add_argument("-h", "--help", action=_HelpWithKeys, help="this help, with every key")
+
+
+class _HelpWithKeys(argparse.Action):
+    """`mmgrpo <command> --help`: the options, then every key=value the command takes with its
+    default (read from the config class, imported only now: startup stays light)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from mmgrpo_jax.cli.config import config_keys
+
+        command = parser.prog.split()[-1]
+        config_cls = _command(command)[0]
+        parser.print_help()
+        print("\nkeys (key=value on the command line, or in the --config YAML), defaults:")
+        for key, default in config_keys(config_cls):
+            shown = default if isinstance(default, str) else json.dumps(default)
+            print(f"  {key}={shown}")
+        parser.exit()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,20 +56,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = commands.add_parser(
         "demo",
         help="train a tiny policy from scratch with mmGRPO on a CPU testbed (default two_doors)",
+        add_help=False,
     )
     demo.add_argument("--grouping", choices=("module", "trajectory"), help="the objective")
     _config_arguments(demo, "DemoConfig")
     groups = commands.add_parser(
-        "groups", help="scripted rollouts of the synthetic program and the groups formed from them"
+        "groups",
+        help="scripted rollouts of the synthetic program and the groups formed from them",
+        add_help=False,
     )
     _config_arguments(groups, "GroupsDemoConfig")
     train = commands.add_parser(
-        "train", help="mmGRPO on a paper task from a local checkpoint (experiments/configs/)"
+        "train",
+        help="mmGRPO on a paper task from a local checkpoint (experiments/configs/)",
+        add_help=False,
     )
     _config_arguments(train, "ExperimentConfig")
     prompts = commands.add_parser(
         "optimize-prompts",
         help="MIPROv2 instructions and demos for a paper task (same configs as train)",
+        add_help=False,
     )
     prompts.add_argument(
         "--dry-run",
@@ -58,10 +86,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     together = commands.add_parser(
         "better-together",
         help="prompt and weight optimization in the order of `strategy` (same configs as train)",
+        add_help=False,
     )
     _config_arguments(together, "ExperimentConfig")
     evaluate = commands.add_parser(
-        "eval", help="greedy evaluation of a checkpoint (and adapter) on a task split"
+        "eval",
+        help="greedy evaluation of a checkpoint (and adapter) on a task split",
+        add_help=False,
     )
     evaluate.add_argument("--program", help="banking77 | papillon | hover (task.name)")
     evaluate.add_argument("--model", help="local HF checkpoint directory (model_path)")

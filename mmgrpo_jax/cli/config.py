@@ -114,6 +114,37 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     tree[leaf] = value
 
 
+def config_keys(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
+    """Every key of a config class as `key=value` takes it (nested sections dotted) with its
+    default: the reference `--help` prints, read from the dataclasses themselves."""
+    hints = typing.get_type_hints(cls)
+    keys: list[tuple[str, Any]] = []
+    for field in dataclasses.fields(cls):
+        default = _default(field)
+        nested = hints[field.name]
+        if isinstance(nested, type) and dataclasses.is_dataclass(nested):
+            keys += config_keys(nested, f"{prefix}{field.name}.")
+            if default is not None:  # a section whose default differs from its class's
+                values = dict(_flatten_fields(_fields(default), f"{prefix}{field.name}."))
+                keys = [(k, values.get(k, v)) for k, v in keys]
+            continue
+        required = field.default is dataclasses.MISSING and field.default_factory is (
+            dataclasses.MISSING
+        )
+        keys.append((prefix + field.name, "(required)" if required else default))
+    return keys
+
+
+def _flatten_fields(tree: Mapping[str, Any], prefix: str) -> list[tuple[str, Any]]:
+    items: list[tuple[str, Any]] = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            items += _flatten_fields(value, f"{prefix}{key}.")
+        else:
+            items.append((prefix + key, value))
+    return items
+
+
 def read_yaml(path: str | Path) -> Any:
     """A YAML file read the way configs are (YAML 1.2 numbers, no arbitrary objects)."""
     path = Path(path)

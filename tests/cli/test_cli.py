@@ -74,3 +74,23 @@ def test_demo_learns_the_two_door_program(tmp_path):
     assert summary["eval_reward_after"] >= 0.7
     assert summary["eval_reward_after"] - summary["eval_reward_before"] >= 0.4
     assert summary["wall_seconds"] < 600
+
+
+@pytest.mark.parametrize(
+    ("command", "keys"),
+    [
+        (
+            "demo",
+            ["testbed=two_doors", "num_steps=150", "distributed.initialization_timeout_s=300"],
+        ),
+        ("train", ["task.name=banking77", "mmgrpo.optim.lr=1e-05", "mmgrpo.loss.variant=grpo"]),
+        ("eval", ["split=dev", "limit=null"]),
+    ],
+)
+def test_help_lists_every_key_with_its_default(capsys, command, keys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main([command, "--help"])
+    assert exited.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    for key in keys:
+        assert f"  {key}" in lines
