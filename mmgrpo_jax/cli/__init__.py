@@ -162,7 +162,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "models":
         return _models(args)
     overrides = [*args.overrides, *_flag_overrides(args)]
-    config_cls, run = _command(args.command, dry_run=getattr(args, "dry_run", False))
+    if getattr(args, "dry_run", False):  # the budget only: no checkpoint needed, none read
+        from mmgrpo_jax.cli import experiment
+
+        try:
+            return experiment.dry_run_budget(args.config, overrides, sys.stdout)
+        except (UserError, ValueError, FileNotFoundError) as err:
+            print(f"mmgrpo {args.command}: {_one_line(err)}", file=sys.stderr)
+            return 2
+    config_cls, run = _command(args.command)
     try:
         if args.command == "demo":  # resume=true: the run's own settings unless given
             from mmgrpo_jax.cli import demo
@@ -206,7 +214,7 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def _command(name: str, dry_run: bool = False) -> tuple[type, Callable[[Any, TextIO], int]]:
+def _command(name: str) -> tuple[type, Callable[[Any, TextIO], int]]:
     """A subcommand's config class and its `main(config, out)`."""
     if name == "demo":
         from mmgrpo_jax.cli import demo
@@ -220,8 +228,7 @@ def _command(name: str, dry_run: bool = False) -> tuple[type, Callable[[Any, Tex
         from mmgrpo_jax.cli import experiment
 
         config_cls = experiment.EvalConfig if name == "eval" else experiment.ExperimentConfig
-        options = {"dry_run": True} if dry_run else {}
-        return config_cls, functools.partial(experiment.main, name, **options)
+        return config_cls, functools.partial(experiment.main, name)
     raise AssertionError(f"unhandled command {name!r}")
 
 

@@ -22,7 +22,7 @@ from typing import Any, Literal, TextIO
 import jax.numpy as jnp
 
 from mmgrpo_jax import parallel
-from mmgrpo_jax.cli.config import config_to_dict
+from mmgrpo_jax.cli.config import build_config, config_to_dict, config_tree
 from mmgrpo_jax.engines.base import Sampling
 from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.errors import UserError
@@ -234,18 +234,36 @@ def run_train(cfg: ExperimentConfig) -> dict[str, Any]:
     return {**(optimizer.summary or {}), "run_dir": str(run_dir)}
 
 
-def run_optimize_prompts(
-    cfg: ExperimentConfig, *, dry_run: bool = False, out: TextIO | None = None
-) -> dict[str, Any]:
+class _NoModel:
+    """An LM for a dry run: the budget reads the program's shape, never an LM."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a dry run called an LM")
+
+
+def dry_run_budget(config_file: str | None, overrides: Sequence[str], out: TextIO) -> int:
+    """`optimize-prompts --dry-run`: MIPROv2's budget from the task, the split sizes and the
+    prompt_opt section alone; no checkpoint is read (model_path need not be on this machine)."""
+    tree = config_tree(config_file, overrides)
+    if not isinstance(tree, dict):
+        raise UserError(f"the config must be a mapping, got {tree!r}")
+    task_cfg = build_config(TaskConfig, tree.get("task", {}), "task.")
+    prompt_cfg = build_config(PromptOptConfig, tree.get("prompt_opt", {}), "prompt_opt.")
+    task = build_task(task_cfg, lambda max_tokens, temperature=0.0: _NoModel())
+    trainset = _first(task.splits.train, tree.get("train_limit"))
+    valset = _first(task.splits.dev, tree.get("val_limit"))
+    mipro = MIPROv2(task.metric, prompt_cfg, prompt_lm=_NoModel(), lm=_NoModel())
+    mipro.compile(task.program, trainset, valset, dry_run=True, out=out)
+    print(json.dumps({"dry_run": True}, indent=2), file=out)
+    return 0
+
+
+def run_optimize_prompts(cfg: ExperimentConfig, *, out: TextIO | None = None) -> dict[str, Any]:
     """MIPROv2 on the task; writes prompt_state.json (for `prompt_state=`) and trials.jsonl."""
     policy = Policy(cfg)
     try:
         optimizer = policy.mipro(cfg.prompts_dir)
-        optimizer.compile(
-            policy.task.program, policy.trainset, policy.valset, dry_run=dry_run, out=out
-        )
-        if dry_run:
-            return {"dry_run": True}
+        optimizer.compile(policy.task.program, policy.trainset, policy.valset, out=out)
         default = next(r for r in optimizer.result.trial_log if r["trial"] == 0)
         result = {
             "valset_default": default["score"],

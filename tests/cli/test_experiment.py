@@ -196,6 +196,10 @@ def test_optimize_prompts_dry_run_then_run_then_train_from_its_prompts(
     budget = int(printed.split("MIPROv2 budget: ")[1].split()[0])
     assert budget == 2 + 2 * 2 + 2 * 3  # bootstrap + 2 minibatches of 2 + 2 full evals of 3
     assert printed_json(printed) == {"dry_run": True} and not prompts.exists()
+    # the budget needs no weights: the same with a model_path that is not on this machine
+    away = ["optimize-prompts", "--config", config, "--dry-run", "mmgrpo.model_path=/not/here"]
+    assert cli.main(away) == 0
+    assert f"MIPROv2 budget: {budget} program runs" in capsys.readouterr().out
 
     assert cli.main(["optimize-prompts", "--config", config]) == 0
     result = printed_json(capsys.readouterr().out)
