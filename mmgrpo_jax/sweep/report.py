@@ -1,7 +1,8 @@
 """A sweep's results: what each run left in its folder, one row per cell, and the files written.
 
 A run's final score is `summary.json[score]`; its curve is every `metrics.jsonl` row carrying the
-`curve` key. Per cell: the mean score with its bootstrap interval over seeds, how many seeds
+`curve` key. Per cell: the mean score with its bootstrap interval over seeds (sweep.stats), its
+interquartile mean and probability of beating the baseline, how many seeds
 reached the threshold and the median step at which they did, the mean wall time, and the paired
 difference against the baseline cell on the seeds both finished.
 """
@@ -21,7 +22,15 @@ import numpy as np
 
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.sweep.spec import Cell, SweepConfig, describe
-from mmgrpo_jax.sweep.stats import Interval, bootstrap_mean, paired_difference, steps_to_threshold
+from mmgrpo_jax.sweep.stats import (
+    MIN_SEEDS,
+    Interval,
+    bootstrap_mean,
+    interquartile_mean,
+    paired_difference,
+    probability_of_improvement,
+    steps_to_threshold,
+)
 from mmgrpo_jax.trainer.run_log import read_rows, write_atomic
 
 
@@ -73,6 +82,8 @@ class CellRow:
     runs: int
     score: Interval | None  # None until a run of the cell finished
     difference: Interval | None  # paired, against the baseline; None for the baseline itself
+    iqm: Interval | None  # the interquartile mean (rliable's), robust to one collapsed seed
+    improvement: float | None  # P(a run of this cell beats a baseline run); None: baseline
     reached: int  # seeds whose curve reached the threshold
     median_steps: float | None  # over all seeds, unreached counting as never; None if < half
     wall_seconds: float | None  # mean per run
@@ -87,17 +98,18 @@ def cell_rows(config: SweepConfig, results: Sequence[RunResult]) -> list[CellRow
     rows = []
     for cell, runs in by_cell.items():
         scores = {s: r.score for s, r in sorted(runs.items())}
-        interval = (
-            bootstrap_mean(list(scores.values()), confidence=config.confidence) if scores else None
-        )
+        values = list(scores.values())
+        interval = bootstrap_mean(values, confidence=config.confidence) if scores else None
+        iqm = interquartile_mean(values, confidence=config.confidence) if scores else None
         shared = sorted(set(scores) & set(base_scores))
-        difference = None
+        difference, improvement = None, None
         if cell != baseline and shared:
             difference = paired_difference(
                 {s: scores[s] for s in shared},
                 {s: base_scores[s] for s in shared},
                 confidence=config.confidence,
             )
+            improvement = probability_of_improvement(values, list(base_scores.values()))
         reached, median = 0, None
         if config.threshold is not None and runs:
             steps = [steps_to_threshold(r.curve, config.threshold) for r in runs.values()]
@@ -112,6 +124,8 @@ def cell_rows(config: SweepConfig, results: Sequence[RunResult]) -> list[CellRow
                 len(runs),
                 interval,
                 difference,
+                iqm,
+                improvement,
                 reached,
                 median,
                 float(np.mean([r.wall_seconds for r in runs.values()])) if runs else None,
@@ -135,6 +149,7 @@ def markdown(config: SweepConfig, rows: Sequence[CellRow]) -> str:
     pct = f"{config.confidence:.0%}"
     reach = f"reached {config.curve} >= {config.threshold}" if config.threshold is not None else ""
     head = [*axes, "runs", f"{config.score} mean [{pct} CI]", f"diff vs baseline [{pct} CI]"]
+    head += [f"IQM [{pct} CI]", "P(beats baseline)"]
     if reach:
         head += ["seeds that " + reach, "median steps to it (all seeds)"]
     head.append("wall s / run")
@@ -145,19 +160,27 @@ def markdown(config: SweepConfig, rows: Sequence[CellRow]) -> str:
         if row.difference is not None:
             diff += f" (n={row.difference.n})"
         cells = [*(labels[a] for a in axes), f"{row.runs}/{len(config.seeds)}"]
-        cells += [_interval_text(row.score), diff]
+        cells += [_interval_text(row.score), diff, _interval_text(row.iqm)]
+        cells.append("" if row.improvement is None else f"{row.improvement:.2f}")
         if reach:
             cells += [f"{row.reached}/{row.runs}", _number(row.median_steps, 0)]
         cells.append(_number(row.wall_seconds, 0))
         lines.append("| " + " | ".join(cells) + " |")
     title = config.title or f"Sweep: {config.score} over {', '.join(axes) or 'the base config'}"
     intro = (
-        f"{describe(config)}. Each run's score is `summary.json` `{config.score}`; the interval "
-        f"is the percentile bootstrap over seeds; differences are paired by seed against the "
-        f"baseline cell ({config.baseline_cell.name}). Written by `mmgrpo sweep`.\n"
+        f"{describe(config)}. Each run's score is `summary.json` `{config.score}`; intervals "
+        "are `scipy.stats.bootstrap` over seeds (BCa for means and paired differences, "
+        "percentile for the interquartile mean); differences are paired by seed against the "
+        f"baseline cell ({config.baseline_cell.name}); IQM and P(beats baseline) are rliable's "
+        "statistics (Agarwal et al. 2021). Written by `mmgrpo sweep`.\n"
     )
     notes = []
-    if any(0 < row.runs < 5 for row in rows):
+    if any(0 < row.runs < MIN_SEEDS for row in rows):
+        notes.append(
+            f"\nUnder {MIN_SEEDS} seeds no interval is given: a bootstrap over so few can only "
+            "restate them.\n"
+        )
+    if any(MIN_SEEDS <= row.runs < 5 for row in rows):
         notes.append(
             "\nIntervals over fewer than 5 seeds are rough: a bootstrap cannot reach beyond the "
             "seeds' own range, so they understate the uncertainty.\n"
@@ -185,6 +208,10 @@ def table_csv(config: SweepConfig, rows: Sequence[CellRow]) -> str:
             "diff_low",
             "diff_high",
             "diff_seeds",
+            "iqm",
+            "iqm_low",
+            "iqm_high",
+            "p_beats_baseline",
             "reached",
             "median_steps_to_threshold",
             "wall_seconds_mean",
@@ -194,6 +221,7 @@ def table_csv(config: SweepConfig, rows: Sequence[CellRow]) -> str:
         labels = dict(row.cell.labels)
         score = row.score or Interval(math.nan, math.nan, math.nan, 0)
         diff = row.difference or Interval(math.nan, math.nan, math.nan, 0)
+        iqm = row.iqm or Interval(math.nan, math.nan, math.nan, 0)
         writer.writerow(
             [
                 *(labels[a] for a in axes),
@@ -205,6 +233,10 @@ def table_csv(config: SweepConfig, rows: Sequence[CellRow]) -> str:
                 _number(diff.low, 6),
                 _number(diff.high, 6),
                 diff.n,
+                _number(iqm.mean, 6),
+                _number(iqm.low, 6),
+                _number(iqm.high, 6),
+                _number(row.improvement, 6),
                 row.reached if config.threshold is not None else "",
                 _number(row.median_steps, 1),
                 _number(row.wall_seconds, 1),
@@ -280,7 +312,7 @@ def plot_curves(config: SweepConfig, results: Sequence[RunResult], path: Path) -
             bands = [bootstrap_mean(column, confidence=config.confidence) for column in values.T]
             label = " ".join(lab for _, lab in (cell.labels[1:] if panel else cell.labels))
             ax.plot(common, [b.mean for b in bands], label=f"{label or cell.name} (n={len(runs)})")
-            if len(runs) > 1:
+            if len(runs) >= MIN_SEEDS:  # fewer: no interval, no band
                 ax.fill_between(common, [b.low for b in bands], [b.high for b in bands], alpha=0.15)
         if config.threshold is not None:
             ax.axhline(config.threshold, color="grey", lw=0.8, ls="--")

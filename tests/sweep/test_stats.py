@@ -1,60 +1,65 @@
-import itertools
 import math
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from mmgrpo_jax.sweep.stats import (
     bootstrap_mean,
+    interquartile_mean,
     paired_difference,
+    probability_of_improvement,
     steps_to_threshold,
 )
 
 
-def test_two_seeds_by_hand():
-    # resamples of (0, 1): (0,0) (0,1) (1,0) (1,1) -> means 0, .5, .5, 1; the 2.5% and 97.5%
-    # quantiles (linear interpolation over the 4 sorted means) are 0 + 3 * .025 * .5 and its mirror
-    got = bootstrap_mean([0.0, 1.0])
-    assert got.mean == 0.5 and got.n == 2
-    assert got.low == pytest.approx(0.0375) and got.high == pytest.approx(0.9625)
+def test_under_three_seeds_the_values_are_shown_and_no_interval():
+    """Two seeds at 0 and -0.25 once gave [-0.241, -0.009], an interval "excluding" 0 from a
+    tie and one loss; now no interval is claimed from fewer than 3 seeds."""
+    got = bootstrap_mean([0.0, -0.25])
+    assert got.mean == -0.125 and got.n == 2 and math.isnan(got.low) and math.isnan(got.high)
+    assert str(got) == "-0.125 (n=2, no interval)"
+    paired = paired_difference({0: 0.5, 1: 0.25}, {0: 0.5, 1: 0.5})
+    assert paired.mean == -0.125 and math.isnan(paired.low)
 
 
 def test_equal_scores_have_a_zero_width_interval_and_one_seed_has_none():
     equal = bootstrap_mean([0.7, 0.7, 0.7])
     assert (equal.mean, equal.low, equal.high) == pytest.approx((0.7, 0.7, 0.7)) and equal.n == 3
     single = bootstrap_mean([0.4])
-    assert single.mean == 0.4 and math.isnan(single.low) and str(single) == "0.400 (n=1)"
-
-
-def numpy_restatement(values, confidence, resamples, seed):
-    """The same interval written out plainly: every resample a loop, quantiles by hand."""
-    values = list(values)
-    n = len(values)
-    if n**n <= 50_000:
-        draws = list(itertools.product(range(n), repeat=n))
-    else:
-        rng = np.random.default_rng(seed)
-        draws = [tuple(row) for row in rng.integers(0, n, size=(resamples, n))]
-    means = sorted(sum(values[i] for i in draw) / n for draw in draws)
-
-    def quantile(q):  # numpy's default "linear" method
-        position = q * (len(means) - 1)
-        below = math.floor(position)
-        above = min(below + 1, len(means) - 1)
-        return means[below] + (position - below) * (means[above] - means[below])
-
-    tail = (1 - confidence) / 2
-    return quantile(tail), quantile(1 - tail)
+    assert (
+        single.mean == 0.4 and math.isnan(single.low) and str(single) == "0.400 (n=1, no interval)"
+    )
 
 
 @pytest.mark.parametrize("n", [3, 5, 10])
+@pytest.mark.parametrize("method", ["BCa", "percentile"])
 @pytest.mark.parametrize("confidence", [0.9, 0.95])
-def test_the_interval_equals_a_plain_restatement(n, confidence):
+def test_the_interval_is_scipys_bootstrap(n, method, confidence):
     values = np.random.default_rng(n).normal(0.5, 0.2, size=n)
-    got = bootstrap_mean(values, confidence=confidence, resamples=2_000, seed=3)
-    low, high = numpy_restatement(values, confidence, 2_000, 3)
-    assert got.low == pytest.approx(low, abs=1e-12) and got.high == pytest.approx(high, abs=1e-12)
+    got = bootstrap_mean(values, confidence=confidence, resamples=2_000, seed=3, method=method)
+    want = stats.bootstrap(
+        (values,),
+        np.mean,
+        n_resamples=2_000,
+        confidence_level=confidence,
+        method=method,
+        rng=np.random.default_rng(3),
+    ).confidence_interval
+    assert (got.low, got.high) == pytest.approx((want.low, want.high), abs=1e-12)
     assert got.low <= got.mean <= got.high
+
+
+def test_iqm_and_probability_of_improvement_are_rliables():
+    """rliable's definitions (its aggregate_iqm is scipy's 25% trimmed mean; its probability of
+    improvement is Mann-Whitney U / (n m) per task), checked on values worked by hand."""
+    seeds = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 5.0]  # one far-off seed
+    iqm = interquartile_mean(seeds, resamples=2_000)
+    assert iqm.mean == pytest.approx((0.3 + 0.4 + 0.5 + 0.6) / 4)  # the middle half
+    assert iqm.low <= iqm.mean <= iqm.high < bootstrap_mean(seeds).high
+    # pairs (x, y): x beats y in 4 of 9 (1>0, 2>0, 3>0, 3>2), the tie 2 = 2 counts half
+    assert probability_of_improvement([1, 2, 3], [0, 2, 4]) == pytest.approx((4 + 0.5) / 9)
+    assert probability_of_improvement([1, 1], [0, 0]) == 1.0
 
 
 def test_paired_differences_remove_what_the_seed_does_to_both():
