@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmgrpo_jax.cli.config import build_config, config_tree
+from mmgrpo_jax.config_files import build_config, config_tree
 from mmgrpo_jax.rl.batch import Row, pack_rows
 from mmgrpo_jax.rl.step import make_train_step, split_for_training
 from mmgrpo_jax.sampling import generate, length_bucket, prompt_bucket

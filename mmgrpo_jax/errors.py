@@ -10,3 +10,8 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """A bad setting, path or run directory; the message says which and what to do."""
+
+
+def bad_field(owner: object, field: str, rule: str) -> ValueError:
+    """A config field's error: `OptimConfig.lr must be > 0, got 0` (`rule` is "must be > 0")."""
+    return ValueError(f"{type(owner).__name__}.{field} {rule}, got {getattr(owner, field)!r}")

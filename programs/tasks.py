@@ -1,5 +1,5 @@
-"""The paper's tasks by name, and the real-LM tier's `capitals`: program, metric and splits built
-from one config section.
+"""Tasks by name: the paper's three and the real-LM tier's `capitals`, built from one config
+section, and any task a user registers (`register_task`: a new task is one file).
 
 PAPILLON's untrusted LM and judge, and HoVer's retriever, are chosen here: an OpenAI-compatible
 server when `base_url` is set, else the local frozen base model (`local_lm`, supplied by the
@@ -17,14 +17,13 @@ from pathlib import Path
 from mmgrpo_jax.engines.openai_lm import OpenAICompatibleLM
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
+from mmgrpo_jax.rl.registry import Registry
 from mmgrpo_jax.rl.types import Metric
 from programs import banking77, capitals, hover, papillon
 from programs.data import Splits
 from programs.retrieval import DEFAULT_CACHE, BM25Retriever, ColBERTv2Client
 
 logger = logging.getLogger(__name__)
-
-TASKS = ("banking77", "papillon", "hover", "capitals")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +57,7 @@ class TaskConfig:
     passages_per_hop: int = 25
 
     def __post_init__(self) -> None:
-        if self.name not in TASKS:
-            raise ValueError(f"TaskConfig.name must be one of {TASKS}, got {self.name!r}")
+        TASKS.lookup(self.name, "TaskConfig.name")
         if self.corpus_path is not None and self.colbert_url is not None:
             raise ValueError("TaskConfig: set corpus_path or colbert_url, not both")
 
@@ -72,6 +70,31 @@ class Task:
 
 
 LocalLM = Callable[[int, float], LM]  # (max_tokens, temperature) -> the frozen base model
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """What a task is: its splits (`load(cfg)`: local data, no model) and its program and metric
+    (`build(cfg, local_lm)`: `local_lm` gives the frozen base model to a role that needs one);
+    `config`, a default experiment YAML to start from, if the task has one."""
+
+    load: Callable[[TaskConfig], Splits]
+    build: Callable[[TaskConfig, LocalLM | None], tuple[Module, Metric]]
+    config: str | None = None
+
+
+TASKS: Registry[TaskSpec] = Registry("task", "programs.tasks.register_task")
+
+
+def register_task(
+    name: str,
+    *,
+    load: Callable[[TaskConfig], Splits],
+    build: Callable[[TaskConfig, LocalLM | None], tuple[Module, Metric]],
+    config: str | None = None,
+) -> None:
+    """Make `task.name=name` (train, eval, optimize-prompts, better-together, sweeps) run it."""
+    TASKS.add(name, build, TaskSpec(load, build, config))
 
 
 def external_or_local_lm(cfg: ExternalLMConfig, local_lm: LocalLM | None, role: str) -> LM:
@@ -107,28 +130,50 @@ def _retriever(cfg: TaskConfig):
 
 def load_splits(cfg: TaskConfig) -> Splits:
     """The task's examples alone (local files, no model): enough to check sizes up front."""
-    if cfg.name == "banking77":
-        return banking77.load_banking77(cfg.data_dir, cfg.split_seed)
-    if cfg.name == "papillon":
-        return papillon.load_pupa(cfg.data_dir)
-    if cfg.name == "capitals":
-        return capitals.load_capitals(cfg.split_seed)
-    return hover.load_hover(cfg.data_dir, cfg.split_seed)
+    return TASKS.lookup(cfg.name, "TaskConfig.name").load(cfg)
 
 
 def build_task(cfg: TaskConfig, local_lm: LocalLM | None = None) -> Task:
     """`local_lm(max_tokens, temperature)` gives the frozen base model, when a role needs it."""
-    splits = load_splits(cfg)
-    if cfg.name == "banking77":
-        labels = banking77.label_names(cfg.data_dir)
-        return Task(banking77.Banking77(labels), banking77.exact_match, splits)
-    if cfg.name == "papillon":
-        program = papillon.Papillon(
-            external_or_local_lm(cfg.untrusted_lm, local_lm, "untrusted LM")
-        )
-        judge = papillon.PapillonJudge(external_or_local_lm(cfg.judge_lm, local_lm, "judge LM"))
-        return Task(program, judge, splits)
-    if cfg.name == "capitals":
-        return Task(capitals.Capitals(), capitals.capital_match, splits)
-    program = hover.HoverMultiHop(_retriever(cfg), cfg.hops, cfg.passages_per_hop)
-    return Task(program, hover.title_recall, splits)
+    spec = TASKS.lookup(cfg.name, "TaskConfig.name")
+    splits = spec.load(cfg)
+    program, metric = spec.build(cfg, local_lm)
+    return Task(program, metric, splits)
+
+
+def _papillon(cfg: TaskConfig, local_lm: LocalLM | None) -> tuple[Module, Metric]:
+    program = papillon.Papillon(external_or_local_lm(cfg.untrusted_lm, local_lm, "untrusted LM"))
+    judge = papillon.PapillonJudge(external_or_local_lm(cfg.judge_lm, local_lm, "judge LM"))
+    return program, judge
+
+
+register_task(
+    "banking77",
+    load=lambda cfg: banking77.load_banking77(cfg.data_dir, cfg.split_seed),
+    build=lambda cfg, _: (
+        banking77.Banking77(banking77.label_names(cfg.data_dir)),
+        banking77.exact_match,
+    ),
+    config="experiments/configs/banking77_qwen3_8b.yaml",
+)
+register_task(
+    "papillon",
+    load=lambda cfg: papillon.load_pupa(cfg.data_dir),
+    build=_papillon,
+    config="experiments/configs/papillon_qwen3_8b.yaml",
+)
+register_task(
+    "hover",
+    load=lambda cfg: hover.load_hover(cfg.data_dir, cfg.split_seed),
+    build=lambda cfg, _: (
+        hover.HoverMultiHop(_retriever(cfg), cfg.hops, cfg.passages_per_hop),
+        hover.title_recall,
+    ),
+    config="experiments/configs/hover_qwen3_8b.yaml",
+)
+register_task(
+    "capitals",
+    load=lambda cfg: capitals.load_capitals(cfg.split_seed),
+    build=lambda cfg, _: (capitals.Capitals(), capitals.capital_match),
+    config="experiments/configs/capitals_smollm2.yaml",
+)

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from mmgrpo_jax.cli.config import load_config
+from mmgrpo_jax.config_files import load_config
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.sweep.child import die_with_parent
 from mmgrpo_jax.trainer.interrupt import Interrupted, StopSignals, exit_code
@@ -37,7 +37,7 @@ class _HelpWithKeys(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        from mmgrpo_jax.cli.config import config_keys
+        from mmgrpo_jax.config_files import config_keys
 
         command = parser.prog.split()[-1]
         config_cls = _command(command)[0]

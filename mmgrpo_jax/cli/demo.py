@@ -30,7 +30,7 @@ from typing import Any, TextIO
 from transformers import PreTrainedTokenizerFast
 
 from mmgrpo_jax import parallel
-from mmgrpo_jax.cli.config import config_tree
+from mmgrpo_jax.config_files import config_tree
 from mmgrpo_jax.engines.base import Sampling
 from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.errors import UserError

@@ -22,7 +22,7 @@ from typing import Any, Literal, TextIO
 import jax.numpy as jnp
 
 from mmgrpo_jax import parallel
-from mmgrpo_jax.cli.config import build_config, config_to_dict, config_tree
+from mmgrpo_jax.config_files import build_config, config_to_dict, config_tree
 from mmgrpo_jax.engines.base import Sampling
 from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.errors import UserError

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import TextIO
 
-from mmgrpo_jax.cli.config import build_config, config_tree
+from mmgrpo_jax.config_files import build_config, config_tree
 from mmgrpo_jax.errors import UserError
 
 # XLA's CPU compiler hoists float32 copies of the stacked weights and of the saved block inputs

@@ -88,7 +88,7 @@ class GroupingRule:
     unit: Unit  # what the loss's sequence-level aggregations normalise by
 
 
-GROUPINGS: Registry[GroupingRule] = Registry("grouping rule", "register_grouping")
+GROUPINGS: Registry[GroupingRule] = Registry("grouping rule", "mmgrpo_jax.register_grouping")
 
 
 def register_grouping(name: str, group: GroupingFn, *, unit: Unit = "row") -> None:

@@ -69,7 +69,7 @@ class Variant:
     uses_delta: bool = False
 
 
-VARIANTS: Registry[Variant] = Registry("loss", "register_loss")
+VARIANTS: Registry[Variant] = Registry("loss", "mmgrpo_jax.register_loss")
 
 
 def register_loss(

@@ -1,4 +1,4 @@
-"""A named registry of research extensions (loss variants, grouping rules): open to user code."""
+"""A named registry of extensions (loss variants, grouping rules, tasks): open to user code."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ class Registry(dict[str, T], Generic[T]):
 
     def __init__(self, kind: str, register_with: str) -> None:
         super().__init__()
-        self.kind, self.register_with = kind, register_with  # "loss", "register_loss"
+        # "loss", "mmgrpo_jax.register_loss": what it holds, and where users add to it
+        self.kind, self.register_with = kind, register_with
 
     def add(self, name: str, fn: Callable, entry: T) -> None:
         if not name or not isinstance(name, str):
@@ -30,5 +31,5 @@ class Registry(dict[str, T], Generic[T]):
         except KeyError:
             raise ValueError(
                 f"{field} must be a registered {self.kind} ({sorted(self)}; add one with "
-                f"mmgrpo_jax.{self.register_with}), got {name!r}"
+                f"{self.register_with}), got {name!r}"
             ) from None

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mmgrpo_jax.cli.config import read_yaml
+from mmgrpo_jax.config_files import read_yaml
 from mmgrpo_jax.errors import UserError
 
 

@@ -16,6 +16,8 @@ from typing import Any, Literal
 import optax
 from flax import nnx
 
+from mmgrpo_jax.errors import bad_field as _bad
+from mmgrpo_jax.parallel import DistributedConfig, ParallelConfig
 from mmgrpo_jax.rl.advantages import SCALES
 from mmgrpo_jax.rl.grouping import ALIGN_MODES, grouping_rule
 from mmgrpo_jax.rl.losses import VARIANTS, LossConfig
@@ -25,10 +27,6 @@ from models.fetch import MODELS, resolve_model_path
 from models.lora import LoRAConfig
 
 ENGINES = ("continuous", "static")
-
-
-def _bad(owner: object, field: str, rule: str) -> ValueError:
-    return ValueError(f"{type(owner).__name__}.{field} {rule}, got {getattr(owner, field)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,82 +143,6 @@ class MemoryConfig:
     def attention_config(self) -> AttentionConfig:
         block = self.attention_block
         return AttentionConfig(self.attention, q_block=block, kv_block=block)
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    """The device mesh (DESIGN section 9): training rows and sampler requests split over
-    data x fsdp, parameters by the partition rules of models.sharding, heads over tensor."""
-
-    data: int | None = None  # null: every device the fsdp and tensor axes leave
-    fsdp: int = 1
-    tensor: int = 1
-    devices: int | None = None  # one process: run on its first N devices only; null: all
-
-    def __post_init__(self) -> None:
-        for name in ("fsdp", "tensor"):
-            if getattr(self, name) < 1:
-                raise _bad(self, name, "must be >= 1")
-        for name in ("data", "devices"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise _bad(self, name, "must be >= 1 or null (all devices)")
-
-    def mesh_shape(self, devices: int) -> tuple[int, int, int]:
-        """(data, fsdp, tensor) over `devices` devices; refused if they do not multiply out."""
-        inner = self.fsdp * self.tensor
-        data = devices // inner if self.data is None else self.data
-        if data < 1 or data * inner != devices:
-            raise ValueError(
-                f"ParallelConfig data={self.data} x fsdp={self.fsdp} x tensor={self.tensor} does "
-                f"not cover the {devices} devices; choose sizes whose product is {devices}"
-            )
-        return data, self.fsdp, self.tensor
-
-    @property
-    def row_shards(self) -> int | None:
-        """Into how many parts a batch of rows splits (data x fsdp), if known before the mesh."""
-        return None if self.data is None else self.data * self.fsdp
-
-
-@dataclasses.dataclass(frozen=True)
-class DistributedConfig:
-    """Several processes (hosts) as one JAX runtime (`jax.distributed.initialize`); empty = one
-    process. Every process runs the same command with its own process_id."""
-
-    coordinator_address: str | None = None  # host:port of process 0
-    num_processes: int = 1
-    process_id: int = 0
-    # seconds without a heartbeat after which the runtime declares a process dead and the
-    # others exit with an error (instead of waiting in a collective for ever)
-    heartbeat_timeout_s: int = 100
-    initialization_timeout_s: int = 300
-
-    def __post_init__(self) -> None:
-        if self.num_processes < 1:
-            raise _bad(self, "num_processes", "must be >= 1")
-        if not 0 <= self.process_id < self.num_processes:
-            raise _bad(self, "process_id", f"must be in [0, num_processes={self.num_processes})")
-        if self.num_processes > 1 and not self.coordinator_address:
-            raise _bad(self, "coordinator_address", "must be host:port when num_processes > 1")
-        if self.coordinator_address:
-            _ = self.coordinator_port  # refuses what is not host:port before a device is touched
-        for name in ("heartbeat_timeout_s", "initialization_timeout_s"):
-            if getattr(self, name) < 1:
-                raise _bad(self, name, "must be >= 1")
-
-    @property
-    def enabled(self) -> bool:
-        return self.num_processes > 1
-
-    @property
-    def coordinator_port(self) -> int:
-        """The port of `coordinator_address` (host:port, an IPv6 host in brackets)."""
-        host, colon, port = (self.coordinator_address or "").rpartition(":")
-        if not colon or not host or host in ("[", "[]"):
-            raise _bad(self, "coordinator_address", "must be host:port, e.g. 10.0.0.1:1234")
-        if not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise _bad(self, "coordinator_address", "must have a port in 1-65535")
-        return int(port)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ import pytest
 
 from mmgrpo_jax import cli
 from mmgrpo_jax.cli import experiment
-from mmgrpo_jax.cli.config import load_config
+from mmgrpo_jax.config_files import load_config
 from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
 from models.lora import LoRAConfig

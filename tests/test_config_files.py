@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from mmgrpo_jax.cli.config import load_config
+from mmgrpo_jax.config_files import load_config
 from mmgrpo_jax.rl.losses import LossConfig
 
 
