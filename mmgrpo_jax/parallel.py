@@ -93,7 +93,7 @@ class DistributedConfig:
         if self.num_processes > 1 and not self.coordinator_address:
             raise _bad(self, "coordinator_address", "must be host:port when num_processes > 1")
         if self.coordinator_address:
-            _ = self.coordinator_port  # refuses what is not host:port before a device is touched
+            self._coordinator()  # refuses what is not host:port before a device is touched
         for name in ("heartbeat_timeout_s", "initialization_timeout_s"):
             if getattr(self, name) < 1:
                 raise _bad(self, name, "must be >= 1")
@@ -103,14 +103,22 @@ class DistributedConfig:
         return self.num_processes > 1
 
     @property
+    def coordinator_host(self) -> str:
+        """The host of `coordinator_address` (an IPv6 host without its brackets)."""
+        return self._coordinator()[0]
+
+    @property
     def coordinator_port(self) -> int:
-        """The port of `coordinator_address` (host:port, an IPv6 host in brackets)."""
+        return self._coordinator()[1]
+
+    def _coordinator(self) -> tuple[str, int]:
+        """`coordinator_address` as (host, port): host:port, an IPv6 host in brackets."""
         host, colon, port = (self.coordinator_address or "").rpartition(":")
         if not colon or not host or host in ("[", "[]"):
             raise _bad(self, "coordinator_address", "must be host:port, e.g. 10.0.0.1:1234")
         if not port.isdigit() or not 1 <= int(port) <= 65535:
             raise _bad(self, "coordinator_address", "must have a port in 1-65535")
-        return int(port)
+        return host.strip("[]"), int(port)
 
 
 class JoinTimeout(UserError):
@@ -182,10 +190,10 @@ def _wait_for_join(joining: threading.Thread, started: float, config: Distribute
             raise
         if not joining.is_alive():
             break
-        waited = time.monotonic() - started
-        if time.monotonic() >= deadline:
-            raise JoinTimeout(_never_joined(config, waited))
-        logger.warning("%s", _waiting(config, waited))
+        now = time.monotonic()
+        if now >= deadline:
+            raise JoinTimeout(_never_joined(config, now - started))
+        logger.warning("%s", _waiting(config, now - started))
 
 
 def join_abandoned() -> bool:
@@ -197,9 +205,9 @@ def join_abandoned() -> bool:
 
 def _coordinator_is_up(config: DistributedConfig) -> bool:
     """Whether process 0's coordination service accepts connections (a plain TCP probe)."""
-    host = (config.coordinator_address or "").rpartition(":")[0].strip("[]")
+    address = (config.coordinator_host, config.coordinator_port)
     try:
-        with socket.create_connection((host, config.coordinator_port), timeout=1.0):
+        with socket.create_connection(address, timeout=1.0):
             return True
     except OSError:
         return False
@@ -223,16 +231,15 @@ def _never_joined(config: DistributedConfig, waited: float) -> str:
     """Which processes never joined, as far as this one can tell: the runtime reports nobody's
     arrival before all have arrived, so only the coordinator's presence can be probed."""
     me, n = config.process_id, config.num_processes
-    others = [p for p in range(n) if p != me]
+    others = [p for p in range(1, n) if p != me]  # the processes besides this one and 0
     if me != 0 and not _coordinator_is_up(config):
         missing = "process 0 (the coordinator) never came up"
-        if n > 2:
-            missing += f"; of processes {[p for p in others if p]} the runtime cannot say"
+        if others:
+            missing += f"; of processes {others} the runtime cannot say"
     elif n == 2:
-        missing = f"process {others[0]} never joined"
+        missing = f"process {1 - me} never joined"
     else:
-        unknown = [p for p in others if p]
-        missing = f"some of processes {unknown} never joined (the runtime does not say which)"
+        missing = f"some of processes {others} never joined (the runtime does not say which)"
     return (
         f"distributed: {missing} within {waited:.0f} s at {config.coordinator_address} (this is "
         f"process {me} of {n}); start every process with the same coordinator_address and "

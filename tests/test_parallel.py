@@ -26,6 +26,7 @@ from mmgrpo_jax.trainer.interrupt import Interrupted, StopSignals
 from models.lora import LoRAConfig
 from models.sharding import batch_multiple
 from models.tokenizer import train_bpe_tokenizer
+from tests.cli.test_distributed import free_port
 from tests.trainer.conftest import CORPUS
 from tests.trainer.test_mmgrpo import run
 
@@ -143,12 +144,6 @@ def blocked_join(monkeypatch):
     monkeypatch.setattr(parallel, "JOIN_REPORT_EVERY_S", 0.2)
     yield
     release.set()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def lone(process_id, num_processes, timeout_s=1, port=None):

@@ -167,16 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "models":
         return _models(args)
     overrides = [*args.overrides, *_flag_overrides(args)]
-    if getattr(args, "dry_run", False):  # the budget only: no checkpoint needed, none read
-        from mmgrpo_jax.cli import experiment
-
-        try:
-            return experiment.dry_run_budget(args.config, overrides, sys.stdout)
-        except (UserError, ValueError, FileNotFoundError) as err:
-            print(f"mmgrpo {args.command}: {_one_line(err)}", file=sys.stderr)
-            return 2
     config_cls, run = _command(args.command)
     try:
+        if getattr(args, "dry_run", False):  # the budget only: no checkpoint needed, none read
+            from mmgrpo_jax.cli import experiment
+
+            return experiment.dry_run_budget(args.config, overrides, sys.stdout)
         if args.command == "demo":  # resume=true: the run's own settings unless given
             from mmgrpo_jax.cli import demo
 

@@ -145,8 +145,7 @@ class Checkpointer:
         items = {name: ocp.args.StandardSave(tree) for name, tree in trees.items()}
         items["meta"] = ocp.args.JsonSave({**meta, "step": step, "arrays": arrays})
         absl = logging.getLogger("absl")
-        errors = _Collect()  # orbax's threads log each failed write with a traceback
-        absl.addFilter(errors)
+        absl.addFilter(_below_error)  # orbax's threads log each failed write with a traceback
         started_with = set(threading.enumerate())
         try:
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -166,7 +165,7 @@ class Checkpointer:
             )
             raise CheckpointWriteError(self._write_failure(step, err)) from None
         finally:
-            absl.removeFilter(errors)
+            absl.removeFilter(_below_error)
 
     def restore(
         self,
@@ -340,19 +339,10 @@ def _join_new_threads(started_with: set[threading.Thread], timeout_s: float = 60
                 thread.join(max(deadline - time.monotonic(), 0.0))
 
 
-class _Collect(logging.Filter):
-    """Keeps the records of a logger instead of printing them (they are summed up in one
-    error line when the work they describe fails)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        self.records.append(record)
-        return False
+def _below_error(record: logging.LogRecord) -> bool:
+    """During a save: orbax's ERROR records are held back (a failure is summed up in one
+    CheckpointWriteError line)."""
+    return record.levelno < logging.ERROR
 
 
 def _first_line(err: BaseException) -> str:

@@ -8,11 +8,12 @@ row, and the summary and the curve cover the whole run across processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,21 +103,18 @@ class RunLogger:
         if not self.writes:
             return
         try:
-            with self.metrics_path.open("a") as f:
+            with _writing(self.metrics_path), self.metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-        except OSError as err:
-            self.unwritten.append(record)
-            raise RunLogError(f"{self.metrics_path} cannot be written ({err.strerror})") from None
+        except RunLogError:
+            self.unwritten.append(record)  # the checkpoint keeps it for the resume
+            raise
         if self._writer is not None:
             step = int(record.get("step", len(self.history)))
-            try:
+            with _writing(self.run_dir / "tensorboard"):
                 for key, value in record.items():
                     if key != "step" and math.isfinite(value):
                         self._writer.add_scalar(key, value, step)
                 self._writer.flush()
-            except OSError as err:
-                where = self.run_dir / "tensorboard"
-                raise RunLogError(f"{where} cannot be written ({err.strerror})") from None
 
     def close(self, summary: Mapping[str, Any]) -> dict[str, Any]:
         """Write summary.json (with eval before/after and wall time) and the curve PNG."""
@@ -134,10 +132,8 @@ class RunLogger:
             return full
         # atomic: summary.json is how a sweep (or a resume) knows the run finished
         path = self.run_dir / "summary.json"
-        try:
+        with _writing(path):
             write_atomic(path, json.dumps(full, indent=2))
-        except OSError as err:
-            raise RunLogError(f"{path} cannot be written ({err.strerror})") from None
         self._plot()
         if self._writer is not None:
             self._writer.close()
@@ -171,6 +167,15 @@ class RunLogger:
         fig.tight_layout()
         fig.savefig(self.run_dir / "learning_curve.png", dpi=120)
         plt.close(fig)
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """A write to a run file: an OSError is a RunLogError naming the file."""
+    try:
+        yield
+    except OSError as err:
+        raise RunLogError(f"{path} cannot be written ({err.strerror})") from None
 
 
 def read_json(path: Path, remedy: str) -> Any:
