@@ -41,6 +41,15 @@ class RunResult:
     score: float
     curve: tuple[tuple[float, float], ...]  # (step, value) of the `curve` key
     wall_seconds: float
+    # a run read back from the sweep's runs.csv (its folder is gone): no curve, and the step
+    # at which it reached the threshold as the sweep recorded it
+    recorded: bool = False
+    recorded_steps: float | None = None
+
+    def steps_to(self, threshold: float) -> float | None:
+        if self.recorded:
+            return self.recorded_steps
+        return steps_to_threshold(self.curve, threshold)
 
 
 class UnreadableRun(UserError):
@@ -112,7 +121,7 @@ def cell_rows(config: SweepConfig, results: Sequence[RunResult]) -> list[CellRow
             improvement = probability_of_improvement(values, list(base_scores.values()))
         reached, median = 0, None
         if config.threshold is not None and runs:
-            steps = [steps_to_threshold(r.curve, config.threshold) for r in runs.values()]
+            steps = [r.steps_to(config.threshold) for r in runs.values()]
             reached = sum(s is not None for s in steps)
             # a seed that never reached it counts as later than any that did (censored): the
             # median exists only when at least half the seeds reached the threshold
@@ -253,7 +262,7 @@ def runs_csv(config: SweepConfig, results: Sequence[RunResult]) -> str:
     for r in sorted(results, key=lambda r: (config.cells.index(r.cell), r.seed)):
         steps = None
         if config.threshold is not None:
-            steps = steps_to_threshold(r.curve, config.threshold)
+            steps = r.steps_to(config.threshold)
         labels = dict(r.cell.labels)
         writer.writerow(
             [
@@ -268,22 +277,41 @@ def runs_csv(config: SweepConfig, results: Sequence[RunResult]) -> str:
     return buffer.getvalue()
 
 
-def runs_dropped(config: SweepConfig, results: Sequence[RunResult]) -> list[str]:
+def recorded_runs(config: SweepConfig, results: Sequence[RunResult]) -> list[RunResult]:
     """The runs the sweep folder's runs.csv lists as finished that `results` lacks (their run
-    folders are gone, e.g. a fresh clone of committed results): a report of `results` alone
-    would lose them."""
+    folders are gone, e.g. a fresh clone of committed results), as the sweep recorded them:
+    score, steps to the threshold and wall time, no curve. A row that names no cell of the
+    sweep, or whose numbers do not read, is an error naming the file and row."""
     path = Path(config.out) / "runs.csv"
     if not path.is_file():
         return []
     axes = [axis.name for axis in config.grid]
+    cells = {tuple(dict(c.labels)[a] for a in axes): c for c in config.cells}
+    found = {(r.cell, r.seed) for r in results}
+    recorded = []
     with path.open(newline="") as f:
-        listed = [row for row in csv.DictReader(f) if row.get("seed")]
-    found = {(tuple(dict(r.cell.labels)[a] for a in axes), str(r.seed)) for r in results}
-    return [
-        row.get("run_dir") or f"seed {row['seed']}"
-        for row in listed
-        if (tuple(row.get(a, "") for a in axes), row["seed"]) not in found
-    ]
+        for line, row in enumerate(csv.DictReader(f), start=2):
+            labels = tuple(row.get(a) or "" for a in axes)
+            try:
+                cell, seed = cells[labels], int(row["seed"])
+                steps = row.get("steps_to_threshold") or None
+                result = RunResult(
+                    cell,
+                    seed,
+                    float(row["score"]),
+                    (),
+                    float(row["wall_seconds"]),
+                    recorded=True,
+                    recorded_steps=None if steps is None else float(steps),
+                )
+            except (KeyError, TypeError, ValueError) as err:
+                raise UserError(
+                    f"{path} row {line} ({dict(row)}) is not a run of this sweep "
+                    f"({type(err).__name__}: {err})"
+                ) from None
+            if seed in config.seeds and (cell, seed) not in found:
+                recorded.append(result)
+    return recorded
 
 
 def plot_curves(config: SweepConfig, results: Sequence[RunResult], path: Path) -> None:
@@ -328,7 +356,8 @@ def plot_curves(config: SweepConfig, results: Sequence[RunResult], path: Path) -
 
 def write_report(config: SweepConfig, results: Sequence[RunResult]) -> list[CellRow]:
     """table.md, table.csv, runs.csv and curves.png under the sweep folder, each replaced
-    atomically so a reader (or a kill) never sees half a file."""
+    atomically so a reader (or a kill) never sees half a file. curves.png is left as it is
+    when some runs are only records (their curves are gone)."""
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = cell_rows(config, results)
@@ -338,7 +367,7 @@ def write_report(config: SweepConfig, results: Sequence[RunResult]) -> list[Cell
         ("runs.csv", runs_csv(config, results)),
     ):
         write_atomic(out / name, text)
-    if any(r.curve for r in results):
+    if any(r.curve for r in results) and not any(r.recorded for r in results):
         partial = out / "curves.partial.png"
         plot_curves(config, results, partial)
         partial.replace(out / "curves.png")

@@ -33,7 +33,7 @@ from mmgrpo_jax.sweep.report import (
     RunResult,
     UnreadableRun,
     read_run,
-    runs_dropped,
+    recorded_runs,
     write_report,
 )
 from mmgrpo_jax.sweep.spec import Cell, SweepConfig, identity_json
@@ -113,22 +113,26 @@ def run_sweep(
             else:
                 todo.append((cell, seed))
         skipped = len(results)
-        dropped = runs_dropped(config, results)
-        if dropped and report_only:  # never replace a table with one of fewer runs
-            raise UserError(
-                f"--report-only: {config.out}/runs.csv lists {len(dropped)} finished run(s) "
-                f"whose folders are not here (the first: {dropped[0]}); the table there stays "
-                "as it is: run the sweep to redo them"
+        recorded = recorded_runs(config, results)
+        if recorded and report_only:  # the table is re-reported from the sweep's own record
+            logger.warning(
+                "%s/runs.csv records %d finished run(s) whose folders are not here (the first: "
+                "%s): the table is reported from that record; curves.png stays as it is",
+                config.out,
+                len(recorded),
+                config.run_dir(recorded[0].cell, recorded[0].seed),
             )
-        if dropped:
+            results += recorded
+        elif recorded:
             logger.warning(
                 "%s/runs.csv lists %d finished run(s) whose folders are not here (the first: "
                 "%s): they are run again, and the table is rewritten as they finish",
                 config.out,
-                len(dropped),
-                dropped[0],
+                len(recorded),
+                config.run_dir(recorded[0].cell, recorded[0].seed),
             )
-        rows = [] if dropped else write_report(config, results)
+        # never replace a table with one of fewer runs
+        rows = [] if recorded and not report_only else write_report(config, results)
         if not report_only:
             failures += _run_all(config, todo, results, plan, progress)
             rows = write_report(config, results)

@@ -277,21 +277,39 @@ def test_sigterm_stops_every_run_and_the_same_sweep_finishes_them(tmp_path):
     assert len(list(csv.DictReader((out / "runs.csv").open()))) == 4
 
 
-def test_report_only_never_replaces_a_table_with_one_of_fewer_runs(tmp_path, fake_runs, caplog):
-    """A fresh clone has the committed table but not the run folders: --report-only refuses,
-    naming them, and leaves every file as it was; a real sweep warns and redoes them."""
+def test_report_only_reports_runs_whose_folders_are_gone_from_runs_csv(tmp_path, fake_runs, caplog):
+    """A fresh clone has the committed tables but not the run folders: --report-only re-reports
+    the table from runs.csv's record (the same rows, no run lost), leaves curves.png as it was,
+    and says so; a real sweep warns and redoes the runs."""
+    config = _config(tmp_path / "sweep", seeds="0-2")
+    run_sweep(config, progress=False)
+    sweep = tmp_path / "sweep"
+    before = {p.name: p.read_bytes() for p in sweep.glob("*.*")}
+    shutil.rmtree(sweep / "runs" / "lr-0.002" / "seed1")  # one run's folder gone ...
+    shutil.rmtree(sweep / "runs" / "lr-0.004")  # ... and a whole cell's
+    (sweep / "table.md").write_text("stale")
+    report = run_sweep(config, progress=False, report_only=True)
+    assert "records 4 finished run(s) whose folders are not here" in caplog.text
+    assert len(report.results) == 6 and not report.failures
+    after = {p.name: p.read_bytes() for p in sweep.glob("*.*")}
+    for name in ("table.csv", "runs.csv"):  # wall times come back rounded as recorded
+        assert _without_wall_time(after[name].decode()) == _without_wall_time(
+            before[name].decode()
+        ), name
+    assert after["curves.png"] == before["curves.png"]
+    assert "3/3" in after["table.md"].decode() and "stale" not in after["table.md"].decode()
+    caplog.clear()
+    report = run_sweep(config, progress=False)
+    assert "lists 4 finished run(s) whose folders are not here" in caplog.text
+    assert len(report.results) == 6 and not report.failures
+    assert not any(r.recorded for r in report.results)
+
+
+def test_report_only_refuses_a_runs_csv_row_of_another_sweep(tmp_path, fake_runs):
     config = _config(tmp_path / "sweep", seeds="0")
     run_sweep(config, progress=False)
-    for run in (tmp_path / "sweep" / "runs").iterdir():
-        shutil.rmtree(run)
-    committed = {p.name: p.read_bytes() for p in (tmp_path / "sweep").glob("*.*")}
-    with pytest.raises(
-        UserError,
-        match=r"^--report-only: .*runs.csv lists 2 finished run\(s\) "
-        r"whose folders are not here \(the first: .*lr-0.002/seed0\)",
-    ):
+    runs_csv = tmp_path / "sweep" / "runs.csv"
+    runs_csv.write_text(runs_csv.read_text().replace("0.002,", "0.5,", 1))
+    shutil.rmtree(tmp_path / "sweep" / "runs")
+    with pytest.raises(UserError, match=r"runs.csv row 2 .* is not a run of this sweep"):
         run_sweep(config, progress=False, report_only=True)
-    assert {p.name: p.read_bytes() for p in (tmp_path / "sweep").glob("*.*")} == committed
-    report = run_sweep(config, progress=False)
-    assert "lists 2 finished run(s) whose folders are not here" in caplog.text
-    assert len(report.results) == 2 and not report.failures
