@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-real test test-slow lint clean model
+.PHONY: demo demo-real test test-slow lint clean model docs
 
 # Reinstall only when the dependency list changes; otherwise this is a no-op.
 $(STAMP): pyproject.toml
@@ -33,8 +33,12 @@ test: $(STAMP) model
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
+# the documentation site into site/ (make test builds it too, in tests/test_docs.py)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site

@@ -3,7 +3,13 @@ and real weights fetched from the package registry."""
 
 from models.config import ModelConfig
 from models.decoder import Decoder
-from models.export import load_peft_adapter, merge_lora, save_merged, save_peft_adapter
+from models.export import (
+    adapter_lora_config,
+    load_peft_adapter,
+    merge_lora,
+    save_merged,
+    save_peft_adapter,
+)
 from models.fetch import resolve_model_path
 from models.gguf import GGUFCheckpoint
 from models.hf import checkpoint_config, from_pretrained, load_checkpoint
@@ -16,6 +22,7 @@ __all__ = [
     "GGUFCheckpoint",
     "LoRAConfig",
     "ModelConfig",
+    "adapter_lora_config",
     "chat_prompt_ids",
     "checkpoint_config",
     "from_pretrained",

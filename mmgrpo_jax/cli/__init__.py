@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import os
 import signal
@@ -40,17 +41,16 @@ class _HelpWithKeys(argparse.Action):
         from mmgrpo_jax.config_files import config_keys
 
         command = parser.prog.split()[-1]
-        config_cls = _command(command)[0]
+        config_cls = command_config_class(command)
         parser.print_help()
         print("\nkeys (key=value on the command line, or in the --config YAML), defaults:")
         for key, default in config_keys(config_cls):
-            shown = default if isinstance(default, str) else json.dumps(default)
-            print(f"  {key}={shown}")
+            print(f"  {key}={shown_default(default)}")
         parser.exit()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    die_with_parent()  # a sweep's run: SIGTERM (a checkpoint) when the sweep dies
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and option (also what the documentation's CLI reference is made of)."""
     parser = argparse.ArgumentParser(prog="mmgrpo", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
@@ -153,12 +153,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="start no run: write the table of the runs finished so far",
     )
     sweep.add_argument("overrides", nargs="*", metavar="key=value", help="on every run")
+    return parser
+
+
+def shown_default(default: Any) -> str:
+    """A key's default as `key=value` would write it."""
+    return default if isinstance(default, str) else json.dumps(default)
+
+
+PLUGINS_ENV = "MMGRPO_PLUGINS"
+
+
+def import_plugins() -> None:
+    """The modules `$MMGRPO_PLUGINS` names (comma-separated), imported for what they register;
+    the working directory is searched first, as `python -m` would."""
+    names = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
+    if names and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise UserError(
+                f"{PLUGINS_ENV}={os.environ[PLUGINS_ENV]!r}: module {name!r} cannot be imported "
+                f"({type(err).__name__}: {err})"
+            ) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    die_with_parent()  # a sweep's run: SIGTERM (a checkpoint) when the sweep dies
+    parser = build_parser()
     # key=value overrides may come before, between or after the options
     args, extra = parser.parse_known_args(argv)
     unknown = [x for x in extra if x.startswith("-") or "=" not in x]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
+    try:
+        import_plugins()
+    except UserError as err:
+        print(f"mmgrpo {args.command}: {_one_line(err)}", file=sys.stderr)
+        return 2
 
     if args.command == "sweep":
         return _sweep(args)
@@ -213,6 +248,17 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
         for flag, key in _FLAGS.items()
         if getattr(args, flag, None) is not None
     ]
+
+
+def command_config_class(name: str) -> type | None:
+    """The config class whose keys `mmgrpo <name>` takes as key=value (None: it takes none)."""
+    if name == "plan":
+        from mmgrpo_jax.cli import experiment
+
+        return experiment.ExperimentConfig
+    if name in ("demo", "groups", "train", "optimize-prompts", "better-together", "eval"):
+        return _command(name)[0]
+    return None
 
 
 def _command(name: str) -> tuple[type, Callable[[Any, TextIO], int]]:

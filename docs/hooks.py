@@ -1,0 +1,37 @@
+"""mkdocs hooks: what the site shows but the docs folder does not hold, made at build time so it
+is never written twice: the CLI reference (from the parser and config classes), the sweeps'
+curves and tables (from experiments/results/)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from mkdocs.structure.files import File, Files
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "experiments" / "results"
+TABLE = re.compile(r"^<!-- results table: (\S+) -->$", re.MULTILINE)
+
+
+def on_files(files: Files, config) -> Files:
+    from mmgrpo_jax.cli.reference import cli_reference
+
+    files.append(File.generated(config, "cli.md", content=cli_reference()))
+    for curves in sorted(RESULTS.glob("*/curves.png")):
+        uri = f"results/{curves.parent.name}/curves.png"
+        files.append(File.generated(config, uri, abs_src_path=str(curves)))
+    return files
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """`<!-- results table: NAME -->` becomes experiments/results/NAME/table.md, its headings
+    moved below the page's."""
+
+    def table(match: re.Match) -> str:
+        path = RESULTS / match.group(1) / "table.md"
+        if not path.is_file():
+            raise FileNotFoundError(f"{page.file.src_uri}: no results table {path}")
+        return re.sub(r"^# (.*)$", r"**\1**", path.read_text(), flags=re.MULTILINE)
+
+    return TABLE.sub(table, markdown)
