@@ -43,8 +43,8 @@ class ParallelConfig:
     data x fsdp, parameters by the partition rules of models.sharding, heads over tensor."""
 
     data: int | None = None  # null: every device the fsdp and tensor axes leave
-    fsdp: int = 1
-    tensor: int = 1
+    fsdp: int = 1  # devices the weights and optimizer state are split over
+    tensor: int = 1  # devices each matmul is split over
     devices: int | None = None  # one process: run on its first N devices only; null: all
 
     def __post_init__(self) -> None:
@@ -79,11 +79,11 @@ class DistributedConfig:
 
     coordinator_address: str | None = None  # host:port of process 0
     num_processes: int = 1
-    process_id: int = 0
+    process_id: int = 0  # this process's index, 0 .. num_processes - 1
     # seconds without a heartbeat after which the runtime declares a process dead and the
     # others exit with an error (instead of waiting in a collective for ever)
     heartbeat_timeout_s: int = 100
-    initialization_timeout_s: int = 300
+    initialization_timeout_s: int = 300  # seconds to wait for every process to join
 
     def __post_init__(self) -> None:
         if self.num_processes < 1:

@@ -20,9 +20,9 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
     rank: int = 16
-    alpha: float = 32.0
-    targets: tuple[str, ...] = TARGETS
-    dropout: float = 0.0
+    alpha: float = 32.0  # the update is scaled by alpha / rank (PEFT's convention)
+    targets: tuple[str, ...] = TARGETS  # the projections that carry an adapter
+    dropout: float = 0.0  # on the adapter's input, in training only
 
     def __post_init__(self) -> None:
         if self.rank < 1:

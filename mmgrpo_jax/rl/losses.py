@@ -99,12 +99,12 @@ class LossConfig:
     unset in an MMGRPOConfig it becomes the sampler's `max_completion_tokens`.
     """
 
-    variant: str = "grpo"
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    delta: float | None = None
-    beta: float = 0.0
-    max_completion_length: int | None = None
+    variant: str = "grpo"  # grpo | bnpo | dapo | dr_grpo | cispo | gspo, or a registered one
+    epsilon: float = 0.2  # the lower clip: rho >= 1 - epsilon
+    epsilon_high: float | None = None  # the upper clip (cispo: the cap); null: epsilon
+    delta: float | None = None  # two-sided clipping: rho <= delta in the unclipped term
+    beta: float = 0.0  # the k3 KL to the base weights (LoRA off); 0: no reference pass
+    max_completion_length: int | None = None  # dr_grpo's normaliser; null: the sampler's
 
     @property
     def eps_high(self) -> float:

@@ -33,12 +33,12 @@ ENGINES = ("continuous", "static")
 class OptimConfig:
     """AdamW with warmup, an optional decay to zero, and global-norm clipping."""
 
-    lr: float = 1e-5
-    warmup_steps: int = 0
-    decay: Literal["constant", "linear", "cosine"] = "constant"
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    micro_batch_size: int = 8
+    lr: float = 1e-5  # the peak learning rate, after warmup
+    warmup_steps: int = 0  # linear warmup from 0
+    decay: Literal["constant", "linear", "cosine"] = "constant"  # after warmup, to 0 at the end
+    weight_decay: float = 0.0  # AdamW's, decoupled
+    max_grad_norm: float = 1.0  # global-norm clipping of the whole step's gradient
+    micro_batch_size: int = 8  # rows per forward/backward; a step accumulates its micro-batches
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -75,10 +75,10 @@ class OptimConfig:
 class SamplerConfig:
     """How rollouts sample; the trainer's log-probs use the same temperature."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_prompt_tokens: int | None = None
-    max_completion_tokens: int = 256
+    temperature: float = 1.0  # > 0 in training (evaluation samples greedily)
+    top_p: float = 1.0  # nucleus sampling; 1.0 = the full distribution
+    max_prompt_tokens: int | None = None  # longer prompts are refused; null: the model's limit
+    max_completion_tokens: int = 256  # new tokens per LM call at most
     batch: int = 64  # most requests in one sampler call
     # most padded rows x cache slots (prompt + new tokens, bucketed) one sampler call may hold:
     # a larger batch is sampled in several calls; null = no bound (`mmgrpo plan` sizes it)
@@ -87,7 +87,7 @@ class SamplerConfig:
     # continuous: `batch` slots that requests join and leave between decode calls of
     # `decode_steps` tokens (engines.continuous); static: batches decoded to their longest row
     engine: Literal["continuous", "static"] = "continuous"
-    decode_steps: int = 8
+    decode_steps: int = 8  # continuous: tokens per decode call between admissions
     prefix_sharing: bool = True  # continuous: prefill a prefix a slot holds once, copy it
 
     def __post_init__(self) -> None:
@@ -117,6 +117,8 @@ class MemoryConfig:
     reference paths, right for tiny models; an 8B policy at 8k context needs blockwise
     attention, remat and the two chunks (`mmgrpo plan` shows each one's effect)."""
 
+    # dense: the reference; blockwise: online-softmax tiles with their own backward pass;
+    # pallas: the fused kernel for passes without a cache (GPU), blockwise for the sampler
     attention: Literal["dense", "blockwise", "pallas"] = "dense"
     attention_block: int = 512  # query and key positions per attention tile
     remat: bool = False  # recompute every block in the backward pass (keep block inputs only)
@@ -148,41 +150,43 @@ class MemoryConfig:
 @dataclasses.dataclass(frozen=True)
 class MMGRPOConfig:
     grouping: str = "module"  # a registered grouping rule: "module", "trajectory", or yours
+    # module-level groups when rollouts call a module unequally: truncate | fill_random |
+    # fill_last | ragged (docs: grouping)
     align: str = "truncate"
-    num_rollouts: int = 8
-    select_k: int | None = None
+    num_rollouts: int = 8  # G: rollouts per example, and every group's size
+    select_k: int | None = None  # keep K members spread over the rewards instead of G
     examples_per_step: int = 4
     num_steps: int = 100
-    num_iterations: int = 1
-    advantage_scale: str = "group"
+    num_iterations: int = 1  # updates per batch of rollouts (> 1: the ratios move)
+    advantage_scale: str = "group"  # std per group | over the whole step (batch) | none
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
-    mask_truncated_completions: bool = False
-    failure_score: float = 0.0
-    format_failure_score: float = -1.0
-    eval_every: int = 10
-    checkpoint_every: int = 10
+    mask_truncated_completions: bool = False  # a reply cut at the token limit trains nothing
+    failure_score: float = 0.0  # the reward of a rollout whose program or metric raised
+    format_failure_score: float = -1.0  # the reward of a rollout with a reply that did not parse
+    eval_every: int = 10  # steps between greedy evaluations on the valset
+    checkpoint_every: int = 10  # steps between checkpoints (and one on a stop signal)
     # the run stops after this many updates in a row with a non-finite loss / gradient (skipped)
     max_skipped_updates: int = 3
     # a step where at least this fraction of rollouts raised (program or metric) counts as
     # failed; max_failed_steps failed steps in a row stop the run with the first error
     failing_error_fraction: float = 1.0
     max_failed_steps: int = 3
-    seed: int = 0
+    seed: int = 0  # the data order, the adapter's init and every sample
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
-    train: Literal["lora", "full"] = "lora"
+    train: Literal["lora", "full"] = "lora"  # full: every weight (tiny from-scratch policies)
     # a local HF checkpoint folder, a GGUF, or a fetched registry model's name (smollm2-135m),
     # when no model is passed in
     model_path: str | None = None
     model_shape: str | None = None  # a preset shape (qwen3-8b, ...): `mmgrpo plan` without it
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    run_dir: str = "runs/mmgrpo"
-    resume: bool = False
-    progress: bool = True
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # of the weights read from model_path
+    run_dir: str = "runs/mmgrpo"  # metrics, checkpoints, the adapter; one run at a time
+    resume: bool = False  # continue from run_dir's last intact checkpoint
+    progress: bool = True  # a progress bar on stderr
 
     def __post_init__(self) -> None:
         grouping_rule(self.grouping, "MMGRPOConfig.grouping")  # a miss lists the registered rules

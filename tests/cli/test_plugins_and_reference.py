@@ -65,3 +65,15 @@ def test_the_cli_reference_lists_every_command_option_and_key():
         assert option in text
     assert "| `num_rollouts` | `8` |" in text  # the demo's G, as `mmgrpo demo --help` says
     assert "| `mmgrpo.loss.beta` | `0.0` |" in text
+
+
+def test_a_keys_note_is_its_comment_in_the_config_class():
+    from mmgrpo_jax.cli.reference import field_notes
+    from tests.cli.noted_config import Noted
+
+    assert field_notes(Noted) == {
+        "above": "one line above, and a second",
+        "trailing": "at the end",
+        "both": "above it and at the end",
+    }
+    assert "| `mmgrpo.loss.beta` | `0.0` | the k3 KL to the base weights" in cli_reference()
