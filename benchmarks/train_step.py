@@ -1,8 +1,11 @@
-"""One single-module GRPO step, ours (MMGRPO) vs TRL's GRPOTrainer, on one random checkpoint.
+"""One single-module GRPO step, ours (MMGRPO) vs TRL's GRPOTrainer, on the same weights.
 
-Both train every weight (full fine-tuning, float32, beta 0, one iteration) of the same random
-Llama (d_model 256 x 4 layers by default) from the same 4 prompts x 8 generations of <= 32 new
-tokens, on this machine's CPU (torch limited to --threads; JAX uses the same cores). TRL gets the
+By default both train every weight (full fine-tuning, float32, beta 0, one iteration) of the same
+random Llama (d_model 256 x 4 layers) from the same 4 prompts x 8 generations of <= 32 new
+tokens, on this machine's CPU (torch limited to --threads; JAX uses the same cores). With
+`--model smollm2-135m` (or a GGUF folder) both train a LoRA adapter of rank --lora-rank on every
+projection of the real weights instead (ours from the GGUF, TRL on transformers reading the same
+GGUF with a PEFT LoraConfig), float32. TRL gets the
 exact chat messages our program renders (`Predict("question -> answer", bare=True)`) and the same
 reward on the completion text. The seconds per step come from the difference of a short and a
 long run of each (--short and --long steps, every run in a fresh process), so loading, compiling
@@ -11,6 +14,7 @@ steps, split into rollouts and update (its train step compiles again for new pac
 which the difference counts and a median mostly does not).
 
     .venv/bin/python benchmarks/train_step.py [--d-model 256 --layers 4 --short 2 --long 6]
+    .venv/bin/python benchmarks/train_step.py --model smollm2-135m --short 1 --long 4
 
 Needs the `bench` extra (trl) on top of `dev` (torch).
 """
@@ -35,6 +39,8 @@ import transformers
 from mmgrpo_jax.program import Example, Predict, adapter
 from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, ParallelConfig, SamplerConfig
 from mmgrpo_jax.trainer.mmgrpo import MMGRPO
+from models.fetch import resolve_model_path
+from models.lora import TARGETS, LoRAConfig
 from models.tokenizer import train_bpe_tokenizer
 
 QUESTIONS = [
@@ -83,7 +89,8 @@ def ours(checkpoint: Path, steps: int, run_dir: Path, args) -> tuple[float, list
         num_rollouts=args.generations,
         examples_per_step=len(QUESTIONS),
         num_steps=steps,
-        train="full",
+        train="lora" if args.model else "full",
+        lora=LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
         dtype="float32",
         model_path=str(checkpoint),
         run_dir=str(run_dir),
@@ -132,8 +139,24 @@ def theirs(checkpoint: Path, steps: int, out_dir: Path, args) -> float:
         seed=0,
     )
     start = time.perf_counter()
+    model, extra = str(checkpoint), {}
+    if args.model:  # the same GGUF, read by transformers; a PEFT LoRA of the same rank
+        import peft
+
+        gguf = next(checkpoint.glob("*.gguf"))
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            checkpoint, gguf_file=gguf.name, dtype=torch.float32
+        )
+        extra["processing_class"] = transformers.AutoTokenizer.from_pretrained(checkpoint)
+        extra["peft_config"] = peft.LoraConfig(
+            r=args.lora_rank,
+            lora_alpha=2 * args.lora_rank,
+            target_modules=list(TARGETS),
+            lora_dropout=0.0,
+            task_type="CAUSAL_LM",
+        )
     trainer = trl.GRPOTrainer(
-        model=str(checkpoint), reward_funcs=reward, args=config, train_dataset=dataset
+        model=model, reward_funcs=reward, args=config, train_dataset=dataset, **extra
     )
     trainer.train()
     return time.perf_counter() - start
@@ -159,6 +182,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine", default="continuous", choices=["continuous", "static"])
     parser.add_argument("--skip-trl", action="store_true", help="time ours only")
+    parser.add_argument(
+        "--model", help="real weights (smollm2-135m, a GGUF folder): LoRA instead of full"
+    )
+    parser.add_argument("--lora-rank", type=int, default=8, help="with --model")
     parser.add_argument("--run", choices=["ours", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--run-steps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
@@ -177,8 +204,13 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        write_checkpoint(root / "ckpt", args)
-        ckpt = root / "ckpt"
+        if args.model:
+            ckpt = resolve_model_path(args.model)
+            if not ckpt.is_dir() or not any(ckpt.glob("*.gguf")):
+                parser.error(f"--model {args.model!r}: not a folder holding a GGUF ({ckpt})")
+        else:
+            write_checkpoint(root / "ckpt", args)
+            ckpt = root / "ckpt"
         ours_short = in_fresh_process("ours", ckpt, args.short, root / "ours_short", argv)
         ours_long = in_fresh_process("ours", ckpt, args.long, root / "ours_long", argv)
         rows = [
@@ -189,9 +221,15 @@ def main() -> None:
         per_step = (ours_long - ours_short) / (args.long - args.short)
         steady = rows[args.short :]
         step_s = [r["time/rollout"] + r["time/train"] for r in steady]
+        model = (
+            f"{args.model} ({ckpt.name}), float32, LoRA rank {args.lora_rank} on "
+            f"{len(TARGETS)} projections"
+            if args.model
+            else f"llama d_model={args.d_model} layers={args.layers} vocab={args.vocab}, "
+            "float32, full fine-tuning"
+        )
         print(
-            f"model: llama d_model={args.d_model} layers={args.layers} vocab={args.vocab}, "
-            f"float32, full fine-tuning; {len(QUESTIONS)} prompts x {args.generations} "
+            f"model: {model}; {len(QUESTIONS)} prompts x {args.generations} "
             f"generations, <= {args.new} new tokens; jax {jax.devices()[0].platform}, torch "
             f"threads {torch.get_num_threads()}; ours samples with the {args.engine} engine"
         )

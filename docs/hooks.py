@@ -11,7 +11,10 @@ from mkdocs.structure.files import File, Files
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "experiments" / "results"
-TABLE = re.compile(r"^<!-- results table: (\S+) -->$", re.MULTILINE)
+# a line `[results table: NAME](../experiments/results/NAME/table.md)`: a link on GitHub, the
+# table itself in the site; images under ../experiments/results/ are the site's results/ files
+TABLE = re.compile(r"^\[results table: (\S+)\]\(\.\./experiments/results/\1/table\.md\)$", re.M)
+RESULTS_LINK = "](../experiments/results/"
 
 
 def on_files(files: Files, config) -> Files:
@@ -25,8 +28,8 @@ def on_files(files: Files, config) -> Files:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    """`<!-- results table: NAME -->` becomes experiments/results/NAME/table.md, its headings
-    moved below the page's."""
+    """A results-table line becomes experiments/results/NAME/table.md (its title in bold, below
+    the page's headings); links into experiments/results/ point at the site's copies."""
 
     def table(match: re.Match) -> str:
         path = RESULTS / match.group(1) / "table.md"
@@ -34,4 +37,4 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
             raise FileNotFoundError(f"{page.file.src_uri}: no results table {path}")
         return re.sub(r"^# (.*)$", r"**\1**", path.read_text(), flags=re.MULTILINE)
 
-    return TABLE.sub(table, markdown)
+    return TABLE.sub(table, markdown).replace(RESULTS_LINK, "](results/")

@@ -9,14 +9,16 @@ YAML 1.2 reads them: YAML 1.1 would take ``1e-5`` for a string); the dataclass's
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
-import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+
+from mmgrpo_jax.errors import check_type
 
 C = TypeVar("C")
 
@@ -48,8 +50,11 @@ def _build(cls: type[C], values: Mapping[str, Any], where: str) -> C:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
+        guesses = [g for k in unknown for g in difflib.get_close_matches(k, fields, n=1)]
+        hint = f" (did you mean {[where + g for g in guesses]}?)" if guesses else ""
         raise ValueError(
-            f"unknown {cls.__name__} keys {[where + k for k in unknown]}; valid: {sorted(fields)}"
+            f"unknown {cls.__name__} keys {[where + k for k in unknown]}{hint}; "
+            f"valid: {[where + k for k in sorted(fields)]}"
         )
     hints = typing.get_type_hints(cls)
     kwargs = {}
@@ -57,7 +62,6 @@ def _build(cls: type[C], values: Mapping[str, Any], where: str) -> C:
         nested = hints[name]
         if isinstance(value, Mapping) and not dataclasses.is_dataclass(nested):
             raise ValueError(f"{where}{name!r} is not a section; got {dict(value)!r}")
-        _check_scalar(nested, value, where + name)
         if isinstance(nested, type) and dataclasses.is_dataclass(nested):
             base = _default(fields[name])
             if isinstance(value, nested):
@@ -65,29 +69,10 @@ def _build(cls: type[C], values: Mapping[str, Any], where: str) -> C:
             if base is not None and isinstance(value, Mapping):
                 value = {**_fields(base), **value}
             value = _build(nested, value, f"{where}{name}.")
+        else:
+            check_type(nested, value, where + name)
         kwargs[name] = value
     return cls(**kwargs)
-
-
-_SCALARS = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
-
-
-def _check_scalar(hint: Any, value: Any, key: str) -> None:
-    """Type-check plain scalar fields (and `X | None`); richer types are left to the dataclass."""
-    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-    options = typing.get_args(hint) if union else (hint,)
-    if value is None and type(None) in options:
-        return
-    concrete = [o for o in options if o is not type(None)]
-    if not all(o in _SCALARS for o in concrete):
-        return
-    for option in concrete:
-        if isinstance(value, bool) and option is not bool:
-            continue  # YAML's true is not an int here
-        if isinstance(value, _SCALARS[option]):
-            return
-    names = " | ".join("None" if o is type(None) else o.__name__ for o in options)
-    raise ValueError(f"{key} must be {names}, got {value!r}")
 
 
 def _fields(instance: Any) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mmgrpo_jax.errors import UserError
+from mmgrpo_jax.errors import UserError, check_field_types
 from mmgrpo_jax.errors import bad_field as _bad
 from mmgrpo_jax.rl.batch import Batch
 from models.sharding import BATCH, make_mesh, replicated, to_global
@@ -48,6 +48,7 @@ class ParallelConfig:
     devices: int | None = None  # one process: run on its first N devices only; null: all
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("fsdp", "tensor"):
             if getattr(self, name) < 1:
                 raise _bad(self, name, "must be >= 1")
@@ -86,6 +87,7 @@ class DistributedConfig:
     initialization_timeout_s: int = 300  # seconds to wait for every process to join
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.num_processes < 1:
             raise _bad(self, "num_processes", "must be >= 1")
         if not 0 <= self.process_id < self.num_processes:

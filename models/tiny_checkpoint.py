@@ -40,11 +40,16 @@ def write_tiny_checkpoint(
     num_layers: int = 2,
     texts: Iterable[str] | None = None,
     seed: int = 0,
+    exist_ok: bool = False,
 ) -> Path:
-    """Write the checkpoint into `directory` (created; refused if it holds files already)."""
+    """Write the checkpoint into `directory` (created; refused if it holds files already).
+    `exist_ok`: a folder that already holds a checkpoint (its config.json) is returned as it
+    is, so a script that writes one can run twice; it is not checked against the arguments."""
     if model_type not in FAMILIES:
         raise ValueError(f"model_type must be one of {sorted(FAMILIES)}, got {model_type!r}")
     directory = Path(directory)
+    if exist_ok and (directory / "config.json").is_file():
+        return directory
     if directory.exists() and any(directory.iterdir()):
         raise FileExistsError(f"{str(directory)!r} is not empty: choose a new folder")
     corpus = list(texts) if texts is not None else [DEFAULT_TEXT] * 20

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mmgrpo_jax.engines.openai_lm import OpenAICompatibleLM
+from mmgrpo_jax.errors import check_field_types
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.rl.registry import Registry
@@ -38,6 +39,7 @@ class ExternalLMConfig:
     temperature: float = 0.0
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.base_url is not None and not self.model:
             raise ValueError(f"ExternalLMConfig.model must be set with base_url={self.base_url!r}")
         if self.temperature < 0:
@@ -57,6 +59,7 @@ class TaskConfig:
     passages_per_hop: int = 25
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         TASKS.lookup(self.name, "TaskConfig.name")
         if self.corpus_path is not None and self.colbert_url is not None:
             raise ValueError("TaskConfig: set corpus_path or colbert_url, not both")

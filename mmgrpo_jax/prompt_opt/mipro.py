@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Literal, TextIO
 
+from mmgrpo_jax.errors import check_field_types
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
@@ -49,6 +50,7 @@ class PromptOptConfig:
     out_dir: str | None = None  # prompt state JSON + trial log
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.auto is None and self.num_candidates is None:
             raise ValueError("PromptOptConfig: set auto or num_candidates")
         if self.auto is not None and self.auto not in AUTO:

@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 import jax
 import jax.numpy as jnp
 
+from mmgrpo_jax.errors import check_field_types
 from mmgrpo_jax.rl.registry import Registry
 
 Aggregation = Literal["sequence_mean", "token_mean_local", "token_mean_global", "fixed_length"]
@@ -112,6 +113,7 @@ class LossConfig:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         VARIANTS.lookup(self.variant, "LossConfig.variant")
         if not self.epsilon >= 0:
             raise ValueError(f"LossConfig.epsilon must be >= 0, got {self.epsilon!r}")

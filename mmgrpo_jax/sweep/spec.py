@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mmgrpo_jax.config_files import read_yaml
-from mmgrpo_jax.errors import UserError
+from mmgrpo_jax.errors import UserError, check_field_types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +98,7 @@ class SweepConfig:
     title: str = ""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.command not in COMMANDS:
             raise UserError(
                 f"sweep command must be one of {sorted(COMMANDS)}, got {self.command!r}"

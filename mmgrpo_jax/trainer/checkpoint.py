@@ -109,8 +109,9 @@ def refuse_foreign_checkpoints(run_dir: str | Path, resume: bool) -> None:
     existing = saved_steps(run_dir)
     if not resume and existing:
         raise UserError(
-            f"run_dir={str(run_dir)!r} already holds checkpoints of another run (steps "
-            f"{existing}): set resume=true to continue it, or choose another run_dir"
+            f"run_dir={str(run_dir)!r} already holds a run's checkpoints (steps {existing}): "
+            "set resume=true to continue that run, or choose another run_dir (a fresh run "
+            "never writes over one)"
         )
 
 

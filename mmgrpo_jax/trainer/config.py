@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 
 from mmgrpo_jax.errors import bad_field as _bad
+from mmgrpo_jax.errors import check_field_types
 from mmgrpo_jax.parallel import DistributedConfig, ParallelConfig
 from mmgrpo_jax.rl.advantages import SCALES
 from mmgrpo_jax.rl.grouping import ALIGN_MODES, grouping_rule
@@ -41,6 +42,7 @@ class OptimConfig:
     micro_batch_size: int = 8  # rows per forward/backward; a step accumulates its micro-batches
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if not self.lr > 0:
             raise _bad(self, "lr", "must be > 0")
         if self.warmup_steps < 0:
@@ -91,6 +93,7 @@ class SamplerConfig:
     prefix_sharing: bool = True  # continuous: prefill a prefix a slot holds once, copy it
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.engine not in ENGINES:
             raise _bad(self, "engine", f"must be one of {ENGINES}")
         if self.decode_steps < 1:
@@ -133,6 +136,7 @@ class MemoryConfig:
     check_fit: bool = True
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.attention not in IMPLEMENTATIONS:
             raise _bad(self, "attention", f"must be one of {IMPLEMENTATIONS}")
         if self.attention_block < 1:
@@ -189,6 +193,7 @@ class MMGRPOConfig:
     progress: bool = True  # a progress bar on stderr
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         grouping_rule(self.grouping, "MMGRPOConfig.grouping")  # a miss lists the registered rules
         if self.align not in ALIGN_MODES:
             raise _bad(self, "align", f"must be one of {ALIGN_MODES}")
@@ -224,7 +229,8 @@ class MMGRPOConfig:
             raise _bad(
                 self,
                 "model_path",
-                f"is neither a checkpoint folder, a GGUF file nor a registry model ({MODELS})",
+                "is neither a checkpoint folder, a GGUF file nor a fetched registry model "
+                f"({sorted(MODELS)})",
             )
         pack, prompt = self.memory.pack_length, self.sampler.max_prompt_tokens
         longest = None if prompt is None else prompt + self.sampler.max_completion_tokens

@@ -492,6 +492,14 @@ class MMGRPO:
                 save_peft_adapter(self.model, self.run_dir / "adapter")
             # steps whose gradient was zero ran no forward or backward pass (make_idle_step)
             idle = int(sum(r.get("idle_update", 0.0) for r in self.log.history))
+            if idle and idle == cfg.num_steps and cfg.loss.beta == 0:
+                logger.warning(
+                    "all %d steps of this run were idle: in every group the rewards were equal "
+                    "(no advantage), so nothing was learnt; a policy that already gets some "
+                    "rewards right, more rollouts (num_rollouts) or a graded metric give the "
+                    "groups a spread",
+                    idle,
+                )
             self.summary = self.log.close(
                 {"steps": cfg.num_steps, "grouping": cfg.grouping, "idle_updates": idle}
             )

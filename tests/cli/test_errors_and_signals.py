@@ -140,7 +140,7 @@ def test_train_refuses_a_too_large_step_and_a_used_run_dir_before_loading(
     )
     (tmp_path / "run" / "checkpoints" / "5").mkdir(parents=True)
     assert cli.main(["train", "--config", str(path)]) == 2
-    assert "already holds checkpoints of another run (steps [5])" in one_line_error(capsys)
+    assert "already holds a run's checkpoints (steps [5])" in one_line_error(capsys)
 
 
 def damage_tokenizer(directory):

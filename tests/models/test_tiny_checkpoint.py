@@ -40,3 +40,14 @@ def test_the_command_writes_one_and_refuses_a_folder_in_use(tmp_path, capsys):
     assert cli.main(["models", "tiny", str(tmp_path / "tiny")]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.endswith("tiny' is not empty: choose a new folder")
+
+
+def test_exist_ok_returns_a_checkpoint_already_there_and_refuses_other_files(tmp_path):
+    first = write_tiny_checkpoint(tmp_path / "tiny")
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert write_tiny_checkpoint(tmp_path / "tiny", exist_ok=True) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not written again
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="is not empty"):
+        write_tiny_checkpoint(tmp_path / "other", exist_ok=True)

@@ -24,7 +24,7 @@ def test_a_checkpoint_round_trips_state_and_metadata(tmp_path):
     assert restored.step == 3 and restored.meta["engine"] == {"sampled_dispatches": 7}
     jax.tree.map(np.testing.assert_array_equal, saved, restored.state)
     assert Checkpointer(tmp_path / "fresh", resume=True).restore(state_of(1), None) is None
-    with pytest.raises(ValueError, match="already holds checkpoints of another run"):
+    with pytest.raises(ValueError, match="already holds a run's checkpoints"):
         Checkpointer(tmp_path, resume=False)
 
 

@@ -151,7 +151,9 @@ def test_two_steps_train_only_lora_and_log_everything(tokenizer, tmp_path, group
     assert any((tmp_path / "run" / "tensorboard").iterdir())
 
 
-def test_steps_whose_gradient_is_zero_run_no_pass_and_equal_the_full_step(tokenizer, tmp_path):
+def test_steps_whose_gradient_is_zero_run_no_pass_and_equal_the_full_step(
+    tokenizer, tmp_path, caplog
+):
     """A constant reward with beta = 0: every group has zero variance, so each step applies the
     optimizer to zeros without a forward or backward pass, and the weights end as a run whose
     every step took the full pass (the optimizer's decay moves them either way)."""
@@ -164,6 +166,7 @@ def test_steps_whose_gradient_is_zero_run_no_pass_and_equal_the_full_step(tokeni
     assert [r["idle_update"] for r in steps] == [1.0, 1.0, 1.0]
     assert all(r["grad_norm"] == 0 and r["tokens"] > 0 for r in steps)
     assert optimizer.summary["idle_updates"] == 3
+    assert "all 3 steps of this run were idle" in caplog.text  # said, not only counted
     assert steps[0]["perf/train_compiles"] == 1 and steps[1]["perf/train_compiles"] == 0
     idle_lora = jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))
 
@@ -258,5 +261,5 @@ def test_too_many_examples_per_step_is_named(tokenizer, tmp_path):
 
 def test_a_fresh_run_refuses_a_run_dir_that_holds_checkpoints(tokenizer, tmp_path):
     run(tokenizer, config(tmp_path, num_steps=1, eval_every=100))
-    with pytest.raises(ValueError, match="already holds checkpoints of another run"):
+    with pytest.raises(ValueError, match="already holds a run's checkpoints"):
         run(tokenizer, config(tmp_path, num_steps=1, eval_every=100))
