@@ -144,9 +144,15 @@ def theirs(checkpoint: Path, steps: int, out_dir: Path, args) -> float:
         import peft
 
         gguf = next(checkpoint.glob("*.gguf"))
-        model = transformers.AutoModelForCausalLM.from_pretrained(
+        read = transformers.AutoModelForCausalLM.from_pretrained(
             checkpoint, gguf_file=gguf.name, dtype=torch.float32
         )
+        # transformers marks a model read from a GGUF as quantized and refuses to train it: the
+        # same (dequantized) weights in a plain model of the same config
+        model_config = read.config
+        del model_config.quantization_config
+        model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+        model.load_state_dict(read.state_dict(), strict=True)
         extra["processing_class"] = transformers.AutoTokenizer.from_pretrained(checkpoint)
         extra["peft_config"] = peft.LoraConfig(
             r=args.lora_rank,

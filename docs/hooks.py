@@ -1,6 +1,6 @@
 """mkdocs hooks: what the site shows but the docs folder does not hold, made at build time so it
 is never written twice: the CLI reference (from the parser and config classes), the sweeps'
-curves and tables (from experiments/results/)."""
+curves, profiles and tables (from experiments/results/)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ def on_files(files: Files, config) -> Files:
     from mmgrpo_jax.cli.reference import cli_reference
 
     files.append(File.generated(config, "cli.md", content=cli_reference()))
-    for curves in sorted(RESULTS.glob("*/curves.png")):
-        uri = f"results/{curves.parent.name}/curves.png"
-        files.append(File.generated(config, uri, abs_src_path=str(curves)))
+    for image in sorted([*RESULTS.glob("*/curves.png"), *RESULTS.glob("*/profiles.png")]):
+        uri = f"results/{image.parent.name}/{image.name}"
+        files.append(File.generated(config, uri, abs_src_path=str(image)))
     return files
 
 

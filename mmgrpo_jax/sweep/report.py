@@ -28,6 +28,7 @@ from mmgrpo_jax.sweep.stats import (
     bootstrap_mean,
     interquartile_mean,
     paired_difference,
+    performance_profile,
     probability_of_improvement,
     steps_to_threshold,
 )
@@ -354,10 +355,46 @@ def plot_curves(config: SweepConfig, results: Sequence[RunResult], path: Path) -
     plt.close(fig)
 
 
+def plot_profiles(config: SweepConfig, results: Sequence[RunResult], path: Path) -> None:
+    """rliable's performance profiles: per cell, the fraction of its runs whose final score is
+    above each threshold, with the bootstrap band over runs (none under MIN_SEEDS runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scores = [r.score for r in results]
+    low, high = min(scores), max(scores)
+    pad = 0.05 * (high - low or 1.0)
+    taus = np.linspace(low - pad, high + pad, 101)
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for cell in config.cells:
+        values = [r.score for r in results if r.cell == cell]
+        if not values:
+            continue
+        profile = performance_profile(values, taus, confidence=config.confidence)
+        line = ax.step(taus, [p.mean for p in profile], where="post", label=cell.name)
+        if len(values) >= MIN_SEEDS:
+            ax.fill_between(
+                taus,
+                [p.low for p in profile],
+                [p.high for p in profile],
+                step="post",
+                alpha=0.12,
+                color=line[0].get_color(),
+            )
+    ax.set(xlabel=f"{config.score} threshold", ylabel="fraction of runs above it")
+    ax.set_title(config.title or "performance profiles", fontsize="medium")
+    ax.legend(loc="lower left", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_report(config: SweepConfig, results: Sequence[RunResult]) -> list[CellRow]:
-    """table.md, table.csv, runs.csv and curves.png under the sweep folder, each replaced
-    atomically so a reader (or a kill) never sees half a file. curves.png is left as it is
-    when some runs are only records (their curves are gone)."""
+    """table.md, table.csv, runs.csv, curves.png and profiles.png under the sweep folder, each
+    replaced atomically so a reader (or a kill) never sees half a file. curves.png is left as
+    it is when some runs are only records (their curves are gone)."""
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = cell_rows(config, results)
@@ -367,6 +404,10 @@ def write_report(config: SweepConfig, results: Sequence[RunResult]) -> list[Cell
         ("runs.csv", runs_csv(config, results)),
     ):
         write_atomic(out / name, text)
+    if results:  # from the final scores alone: a record in runs.csv is enough
+        partial = out / "profiles.partial.png"
+        plot_profiles(config, results, partial)
+        partial.replace(out / "profiles.png")
     if any(r.curve for r in results) and not any(r.recorded for r in results):
         partial = out / "curves.partial.png"
         plot_curves(config, results, partial)

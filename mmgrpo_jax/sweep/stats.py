@@ -10,7 +10,7 @@ interval is given: a bootstrap over 2 seeds can only restate them (2 seeds at 0 
 2021, "Deep RL at the edge of the statistical precipice"). The interquartile mean and the
 probability of improvement are the same statistics as that paper's `rliable` library
 (`scipy.stats.trim_mean` at 25%, the Mann-Whitney U over n x m pairs), with its percentile
-bootstrap.
+bootstrap, and so is the performance profile (the fraction of runs above each threshold).
 """
 
 from __future__ import annotations
@@ -118,6 +118,38 @@ def interquartile_mean(
     return _interval(
         array, _iqm, confidence=confidence, resamples=resamples, seed=seed, method="percentile"
     )
+
+
+def performance_profile(
+    values: Sequence[float],
+    thresholds: Sequence[float],
+    *,
+    confidence: float = 0.95,
+    resamples: int = 2_000,
+    seed: int = 0,
+) -> list[Interval]:
+    """rliable's performance profile (score distribution) of one cell: for each threshold tau,
+    the fraction of runs that scored above tau, with a percentile-bootstrap band over runs (a
+    stratified bootstrap over one task is the plain bootstrap of its runs). Unlike a mean it
+    shows a cell whose seeds split into learners and collapses as such."""
+    array = _checked(values, "values")
+    profile = []
+    for tau in thresholds:
+
+        def above(x: np.ndarray, axis: int = -1, tau: float = float(tau)) -> np.ndarray:
+            return np.mean(x > tau, axis=axis)
+
+        profile.append(
+            _interval(
+                array,
+                above,
+                confidence=confidence,
+                resamples=resamples,
+                seed=seed,
+                method="percentile",
+            )
+        )
+    return profile
 
 
 def probability_of_improvement(scores: Sequence[float], baseline: Sequence[float]) -> float:

@@ -64,6 +64,7 @@ def test_sweep_runs_every_cell_and_seed_and_writes_the_report(tmp_path, fake_run
     markdown = (tmp_path / "sweep" / "table.md").read_text()
     assert "| 0.002 | 3/3 |" in markdown and "baseline" in markdown
     assert (tmp_path / "sweep" / "curves.png").stat().st_size > 0
+    assert (tmp_path / "sweep" / "profiles.png").stat().st_size > 0  # rliable's profiles
     runs = list(csv.DictReader((tmp_path / "sweep" / "runs.csv").open()))
     assert [(r["lr"], r["seed"]) for r in runs] == [
         (lr, str(s)) for lr in ("0.002", "0.004") for s in range(3)
@@ -297,6 +298,7 @@ def test_report_only_reports_runs_whose_folders_are_gone_from_runs_csv(tmp_path,
             before[name].decode()
         ), name
     assert after["curves.png"] == before["curves.png"]
+    assert (sweep / "profiles.png").stat().st_size > 0
     assert "3/3" in after["table.md"].decode() and "stale" not in after["table.md"].decode()
     caplog.clear()
     report = run_sweep(config, progress=False)

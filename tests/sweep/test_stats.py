@@ -8,6 +8,7 @@ from mmgrpo_jax.sweep.stats import (
     bootstrap_mean,
     interquartile_mean,
     paired_difference,
+    performance_profile,
     probability_of_improvement,
     steps_to_threshold,
 )
@@ -60,6 +61,24 @@ def test_iqm_and_probability_of_improvement_are_rliables():
     # pairs (x, y): x beats y in 4 of 9 (1>0, 2>0, 3>0, 3>2), the tie 2 = 2 counts half
     assert probability_of_improvement([1, 2, 3], [0, 2, 4]) == pytest.approx((4 + 0.5) / 9)
     assert probability_of_improvement([1, 1], [0, 0]) == 1.0
+
+
+def test_the_performance_profile_is_the_fraction_above_each_threshold_with_scipys_band():
+    """rliable's score distribution for one task: the fraction of runs above tau (a cell whose
+    seeds split into learners and collapses shows a step, not a mean between them)."""
+    scores = [0.25, 0.25, 1.0, 1.0, 1.0, 0.75]
+    profile = performance_profile(scores, [0.0, 0.5, 0.9, 1.0], resamples=2_000, seed=1)
+    assert [p.mean for p in profile] == pytest.approx([1.0, 4 / 6, 3 / 6, 0.0])
+    assert (profile[0].low, profile[0].high) == (1.0, 1.0)  # every resample is above 0
+    want = stats.bootstrap(
+        (np.array(scores),),
+        lambda x, axis: np.mean(x > 0.5, axis=axis),
+        n_resamples=2_000,
+        method="percentile",
+        rng=np.random.default_rng(1),
+    ).confidence_interval
+    assert (profile[1].low, profile[1].high) == pytest.approx((want.low, want.high), abs=1e-12)
+    assert math.isnan(performance_profile([0.3, 0.9], [0.5])[0].low)  # 2 runs: no band
 
 
 def test_paired_differences_remove_what_the_seed_does_to_both():
