@@ -125,7 +125,7 @@ def cell_rows(config: SweepConfig, results: Sequence[RunResult]) -> list[CellRow
             steps = [r.steps_to(config.threshold) for r in runs.values()]
             reached = sum(s is not None for s in steps)
             # a seed that never reached it counts as later than any that did (censored): the
-            # median exists only when at least half the seeds reached the threshold
+            # median exists only when more than half the seeds reached the threshold
             median = statistics.median(math.inf if s is None else s for s in steps)
             median = None if math.isinf(median) else median
         rows.append(
@@ -198,7 +198,7 @@ def markdown(config: SweepConfig, rows: Sequence[CellRow]) -> str:
     if reach:
         notes.append(
             "\nThe median step counts a seed that never reached the threshold as later than "
-            "any that did; it is blank when fewer than half the seeds reached it.\n"
+            "any that did; it is blank unless more than half the seeds reached it.\n"
         )
     return f"# {title}\n\n{intro}\n" + "\n".join(lines) + "\n" + "".join(notes)
 
