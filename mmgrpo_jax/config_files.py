@@ -11,14 +11,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
-from mmgrpo_jax.errors import check_type
+from mmgrpo_jax.errors import check_type, field_hints
 
 C = TypeVar("C")
 
@@ -56,7 +55,7 @@ def _build(cls: type[C], values: Mapping[str, Any], where: str) -> C:
             f"unknown {cls.__name__} keys {[where + k for k in unknown]}{hint}; "
             f"valid: {[where + k for k in sorted(fields)]}"
         )
-    hints = typing.get_type_hints(cls)
+    hints = field_hints(cls)
     kwargs = {}
     for name, value in values.items():
         nested = hints[name]
@@ -102,7 +101,7 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
 def config_keys(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
     """Every key of a config class as `key=value` takes it (nested sections dotted) with its
     default: the reference `--help` prints, read from the dataclasses themselves."""
-    hints = typing.get_type_hints(cls)
+    hints = field_hints(cls)
     keys: list[tuple[str, Any]] = []
     for field in dataclasses.fields(cls):
         default = _default(field)

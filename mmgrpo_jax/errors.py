@@ -52,7 +52,9 @@ def check_type(hint: Any, value: Any, key: str) -> None:
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
+def field_hints(cls: type) -> dict[str, Any]:
+    """A config dataclass's resolved field types, read once per class (every check, loader and
+    reference of a config asks for them)."""
     return typing.get_type_hints(cls)
 
 
@@ -60,7 +62,7 @@ def check_field_types(owner: Any) -> None:
     """Every field of a config dataclass against its type (`check_type`): a config built in
     Python is refused as the command line refuses it, naming the field, before any rule that
     would compare a string with a number."""
-    hints = _hints(type(owner))
+    hints = field_hints(type(owner))
     for field in dataclasses.fields(owner):
         key = f"{type(owner).__name__}.{field.name}"
         check_type(hints[field.name], getattr(owner, field.name), key)

@@ -105,9 +105,9 @@ class DemoConfig:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
-        check_field_types(self)
         """Every value is checked here, before a model is built: the trainer's own checks run
         on the config this demo would hand it."""
+        check_field_types(self)
         try:
             testbed(self.testbed)
         except ValueError as err:

@@ -11,10 +11,10 @@ import inspect
 import io
 import textwrap
 import tokenize
-import typing
 
 from mmgrpo_jax.cli import build_parser, command_config_class, shown_default
 from mmgrpo_jax.config_files import config_keys
+from mmgrpo_jax.errors import field_hints
 
 WIDTH = 100  # the help text's line width, whatever the terminal
 
@@ -68,7 +68,7 @@ def field_notes(cls: type) -> dict[str, str]:
 def key_notes(cls: type, prefix: str = "") -> dict[str, str]:
     """`field_notes` for every key `config_keys` lists, nested sections dotted."""
     notes = {prefix + name: text for name, text in field_notes(cls).items()}
-    hints = typing.get_type_hints(cls)
+    hints = field_hints(cls)
     for field in dataclasses.fields(cls):
         nested = hints[field.name]
         if isinstance(nested, type) and dataclasses.is_dataclass(nested):

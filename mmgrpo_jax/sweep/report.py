@@ -391,6 +391,13 @@ def plot_profiles(config: SweepConfig, results: Sequence[RunResult], path: Path)
     plt.close(fig)
 
 
+def _write_plot(plot, config: SweepConfig, results: Sequence[RunResult], path: Path) -> None:
+    """`plot` drawn beside `path`, then moved over it: a reader never sees half an image."""
+    partial = path.with_name(f"{path.stem}.partial{path.suffix}")
+    plot(config, results, partial)
+    partial.replace(path)
+
+
 def write_report(config: SweepConfig, results: Sequence[RunResult]) -> list[CellRow]:
     """table.md, table.csv, runs.csv, curves.png and profiles.png under the sweep folder, each
     replaced atomically so a reader (or a kill) never sees half a file. curves.png is left as
@@ -405,11 +412,7 @@ def write_report(config: SweepConfig, results: Sequence[RunResult]) -> list[Cell
     ):
         write_atomic(out / name, text)
     if results:  # from the final scores alone: a record in runs.csv is enough
-        partial = out / "profiles.partial.png"
-        plot_profiles(config, results, partial)
-        partial.replace(out / "profiles.png")
+        _write_plot(plot_profiles, config, results, out / "profiles.png")
     if any(r.curve for r in results) and not any(r.recorded for r in results):
-        partial = out / "curves.partial.png"
-        plot_curves(config, results, partial)
-        partial.replace(out / "curves.png")
+        _write_plot(plot_curves, config, results, out / "curves.png")
     return rows

@@ -114,23 +114,19 @@ def run_sweep(
                 todo.append((cell, seed))
         skipped = len(results)
         recorded = recorded_runs(config, results)
-        if recorded and report_only:  # the table is re-reported from the sweep's own record
+        if recorded:
             logger.warning(
-                "%s/runs.csv records %d finished run(s) whose folders are not here (the first: "
-                "%s): the table is reported from that record; curves.png stays as it is",
+                "%s/runs.csv %s %d finished run(s) whose folders are not here (the first: %s): %s",
                 config.out,
+                "records" if report_only else "lists",
                 len(recorded),
                 config.run_dir(recorded[0].cell, recorded[0].seed),
+                "the table is reported from that record; curves.png stays as it is"
+                if report_only
+                else "they are run again, and the table is rewritten as they finish",
             )
+        if report_only:  # the table is re-reported from the sweep's own record
             results += recorded
-        elif recorded:
-            logger.warning(
-                "%s/runs.csv lists %d finished run(s) whose folders are not here (the first: "
-                "%s): they are run again, and the table is rewritten as they finish",
-                config.out,
-                len(recorded),
-                config.run_dir(recorded[0].cell, recorded[0].seed),
-            )
         # never replace a table with one of fewer runs
         rows = [] if recorded and not report_only else write_report(config, results)
         if not report_only:
