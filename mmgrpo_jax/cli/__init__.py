@@ -143,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument("--sweep", dest="sweep_file", help="YAML file with SweepConfig fields")
     sweep.add_argument(
-        "--command", dest="run_command", help="what each run is: demo | train (default train)"
+        "--command",
+        dest="run_command",
+        help="what each run is: demo | train | better-together (default train)",
     )
     sweep.add_argument("--config", help="the command's YAML config (every run's base)")
     sweep.add_argument(

@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TextIO
@@ -41,6 +42,7 @@ from mmgrpo_jax.trainer.mmgrpo import (
     load_policy,
 )
 from mmgrpo_jax.trainer.plan import check_fits
+from mmgrpo_jax.trainer.run_log import write_atomic
 from models.decoder import Decoder
 from models.export import adapter_lora_config, load_peft_adapter, save_peft_adapter, without_lora
 from models.fetch import MODELS, resolve_model_path
@@ -69,15 +71,16 @@ class ExperimentConfig:
         default_factory=lambda: ExternalLMConfig(temperature=1.0)
     )
     prompt_state: str | None = None  # prompts to start from: optimize-prompts' prompt_state.json
-    strategy: str = "p -> w"  # better-together's stages
+    strategy: str = "p -> w"  # better-together's stages; "none": the program as written, scored
     train_limit: int | None = None  # first N training examples (smoke runs)
     val_limit: int | None = None
+    test_limit: int | None = None  # first N test examples better-together scores each stage on
 
     def __post_init__(self) -> None:
         check_field_types(self)
         if self.mmgrpo.model_path is None:
             raise ValueError("ExperimentConfig.mmgrpo.model_path must name a local HF checkpoint")
-        for name in ("train_limit", "val_limit"):
+        for name in ("train_limit", "val_limit", "test_limit"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"ExperimentConfig.{name} must be >= 1 or null, got {value}")
@@ -174,6 +177,7 @@ class Policy:
             self.task.program.load(cfg.prompt_state)
         self.trainset = _first(self.task.splits.train, cfg.train_limit)
         self.valset = _first(self.task.splits.dev, cfg.val_limit)
+        self.testset = _first(self.task.splits.test, cfg.test_limit)
 
     def mmgrpo(self) -> MMGRPO:
         return MMGRPO(
@@ -280,7 +284,10 @@ def run_optimize_prompts(cfg: ExperimentConfig, *, out: TextIO | None = None) ->
 
 
 def run_better_together(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The strategy's stages; the best stage's prompts and adapter are saved under best/."""
+    """The strategy's stages; the best stage's prompts and adapter are saved under best/, and
+    summary.json holds every stage's valset and test scores (what a sweep reads)."""
+    started = time.monotonic()
+    run_dir = Path(cfg.mmgrpo.run_dir)
     if "w" in parse_strategy(cfg.strategy):
         preflight(cfg)
     policy = Policy(cfg)
@@ -295,22 +302,66 @@ def run_better_together(cfg: ExperimentConfig) -> dict[str, Any]:
         program = together.compile(
             policy.task.program, policy.trainset, policy.valset, cfg.strategy
         )
-        best_dir = Path(cfg.mmgrpo.run_dir) / "best"
+        best_index = together.best_index  # the stage compile returned
+        best = together.stages[best_index]
+        test_scores = _stage_test_scores(policy, program, together) if policy.testset else None
+        best_dir = run_dir / "best"
         if cfg.mmgrpo.train == "lora":
             save_peft_adapter(policy.model, best_dir / "adapter")  # the restored stage's weights
     finally:
         policy.close()
     _save_run(cfg, best_dir, program)
-    stages = [{"stage": s.name, "valset": s.score} for s in together.stages]
-    best = max(together.stages, key=lambda s: s.score)
+    stages = [
+        {"stage": s.name, "valset": s.score, "test": t}
+        for s, t in zip(together.stages, test_scores or [None] * len(together.stages), strict=True)
+    ]
     result = {
         "strategy": cfg.strategy,
         "stages": stages,
         "best": best.name,
+        "best_index": best_index,
         "best_dir": str(best_dir),
     }
     (best_dir / "better_together.json").write_text(json.dumps(result, indent=2))
+    if parallel.is_main_process():
+        _write_together_summary(run_dir, result, time.monotonic() - started)
     return result
+
+
+def _stage_test_scores(policy: Policy, program: Module, together: BetterTogether) -> list[float]:
+    """Every stage's program (its prompts and weights) scored on the test split, which no stage
+    saw; the stage `compile` returned is restored after."""
+    scores = []
+    for stage in together.stages:
+        program.load_state(stage.prompt_state)
+        together.weights.restore_weights(stage.weights)
+        scores.append(policy.score(program, policy.testset))
+    best = together.stages[together.best_index]
+    program.load_state(best.prompt_state)
+    together.weights.restore_weights(best.weights)
+    return scores
+
+
+def _write_together_summary(run_dir: Path, result: dict[str, Any], seconds: float) -> None:
+    """summary.json of a better-together run, the way a sweep reads a run: the start and the
+    chosen stage on the valset (`valset_*`) and on the test split (`test_*`), per stage too;
+    the weight stage's own summary (it wrote summary.json first) kept under `weight_stage`."""
+    path = run_dir / "summary.json"
+    weight_stage = json.loads(path.read_text()) if path.is_file() else None
+    start = result["stages"][0]
+    chosen = result["stages"][result["best_index"]]
+    summary: dict[str, Any] = {
+        **result,
+        "valset_start": start["valset"],
+        "valset_after": chosen["valset"],
+        "valset_gain": chosen["valset"] - start["valset"],
+        "test_start": start["test"],
+        "test_after": chosen["test"],
+        "test_gain": None if start["test"] is None else chosen["test"] - start["test"],
+        "wall_seconds": seconds,
+        "weight_stage": weight_stage,
+    }
+    write_atomic(path, json.dumps(summary, indent=2))
 
 
 def load_eval_policy(cfg: EvalConfig) -> tuple[Decoder, HFTokenizer, tuple[int, ...]]:

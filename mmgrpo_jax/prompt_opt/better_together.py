@@ -34,9 +34,15 @@ Evaluate = Callable[[Module, Sequence[Example]], float]
 
 
 def parse_strategy(strategy: str) -> list[str]:
+    """'p -> w' -> ['p', 'w']; 'none' is no stage: the program as written, only scored (the
+    baseline row of a Table 1 sweep)."""
+    if strategy.strip() == "none":
+        return []
     stages = [s.strip() for s in strategy.split("->")]
     if any(s not in ("p", "w") for s in stages):
-        raise ValueError(f"strategy must be stages 'p' or 'w' joined by '->', got {strategy!r}")
+        raise ValueError(
+            f"strategy must be stages 'p' or 'w' joined by '->', or 'none', got {strategy!r}"
+        )
     return stages
 
 
@@ -86,10 +92,15 @@ class BetterTogether:
             rng.shuffle(trainset)
             program = self.optimizers[stage].compile(program, list(trainset), valset)
             self.stages.append(self._record(stage, program, valset))
-        best = max(self.stages, key=lambda s: s.score)  # max keeps the earliest of equals
+        best = self.stages[self.best_index]
         program.load_state(best.prompt_state)
         self.weights.restore_weights(best.weights)
         return program
+
+    @property
+    def best_index(self) -> int:
+        """The stage `compile` returns: the best valset score, the earliest of equals."""
+        return max(range(len(self.stages)), key=lambda i: self.stages[i].score)
 
     def _record(self, name: str, program: Module, valset: list[Example]) -> Stage:
         return Stage(

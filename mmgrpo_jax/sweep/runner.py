@@ -36,8 +36,8 @@ from mmgrpo_jax.sweep.report import (
     recorded_runs,
     write_report,
 )
-from mmgrpo_jax.sweep.spec import Cell, SweepConfig, identity_json
-from mmgrpo_jax.trainer.config import changed_keys, describe_changes, flatten
+from mmgrpo_jax.sweep.spec import COMMANDS, Cell, SweepConfig, identity_json
+from mmgrpo_jax.trainer.config import changed_keys, describe_changes, field_defaults, flatten
 from mmgrpo_jax.trainer.run_lock import RunLock
 from mmgrpo_jax.trainer.run_log import write_atomic
 
@@ -171,9 +171,15 @@ def _describe(config: SweepConfig) -> dict:
 
 
 def _finished(config: SweepConfig, cell: Cell, seed: int) -> bool:
-    run_dir = config.run_dir(cell, seed)
+    summary = config.run_dir(cell, seed) / "summary.json"
     _check_identity(config, cell, seed)
-    return (run_dir / "summary.json").is_file()
+    key = COMMANDS[config.command].finished_key
+    if key is None or not summary.is_file():
+        return summary.is_file()
+    try:
+        return key in json.loads(summary.read_text())
+    except (OSError, ValueError):
+        return True  # finished as far as the sweep can tell: read_run names the broken file
 
 
 def _check_identity(config: SweepConfig, cell: Cell, seed: int) -> None:
@@ -186,13 +192,21 @@ def _check_identity(config: SweepConfig, cell: Cell, seed: int) -> None:
         found = _settings(json.loads(path.read_text()))
     except (json.JSONDecodeError, TypeError, AttributeError):
         found = {"(unreadable)": path.read_text()[:80]}
-    changed = changed_keys(found, expected)
+    changed = changed_keys(found, expected, _defaults(config.command))
     if changed:
         details = describe_changes(found, expected, changed)
         raise UserError(
             f"{path.parent} holds a run of another setting ({details}): give this sweep "
             "another out folder, or remove that run folder"
         )
+
+
+def _defaults(command: str) -> dict:
+    """The command config's field defaults as settings: a field added since a run folder was
+    made, at its default, does not make that run another setting."""
+    from mmgrpo_jax.cli import command_config_class  # the cli imports this module
+
+    return {"command": command, **field_defaults(command_config_class(command))}
 
 
 def _settings(identity: dict) -> dict:

@@ -40,11 +40,21 @@ class RunCommand:
     run_dir: str
     resume: str
     progress: str
+    # a key only the command's own summary.json has: better-together's weight stage writes a
+    # summary.json of its own first, which does not make the run finished
+    finished_key: str | None = None
+
+    @property
+    def owned(self) -> set[str]:
+        """The config keys the sweep sets itself (a grid may not)."""
+        return {self.seed, self.run_dir, self.resume, self.progress}
 
 
+_TRAINER = ("mmgrpo.seed", "mmgrpo.run_dir", "mmgrpo.resume", "mmgrpo.progress")
 COMMANDS = {
     "demo": RunCommand("seed", "run_dir", "resume", "progress"),
-    "train": RunCommand("mmgrpo.seed", "mmgrpo.run_dir", "mmgrpo.resume", "mmgrpo.progress"),
+    "train": RunCommand(*_TRAINER),
+    "better-together": RunCommand(*_TRAINER, finished_key="strategy"),
 }
 
 
@@ -80,7 +90,7 @@ class Cell:
 
 @dataclasses.dataclass(frozen=True)
 class SweepConfig:
-    command: str = "train"  # the mmgrpo subcommand every run is: demo | train
+    command: str = "train"  # the mmgrpo subcommand every run is: demo | train | better-together
     config: str | None = None  # that command's YAML config: every run's base
     overrides: tuple[str, ...] = ()  # key=value on every run
     grid: tuple[Axis, ...] = ()
@@ -118,7 +128,7 @@ class SweepConfig:
         names = [axis.name for axis in self.grid]
         if len(set(names)) != len(names):
             raise UserError(f"sweep grid names an axis twice: {names}")
-        owned = set(dataclasses.astuple(COMMANDS[self.command]))
+        owned = COMMANDS[self.command].owned
         for axis in self.grid:
             if not axis.values:
                 raise UserError(f"sweep grid axis {axis.name!r} has no values")

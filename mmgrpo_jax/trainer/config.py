@@ -9,6 +9,7 @@ concern: `loss` (rl.losses.LossConfig), `optim`, `sampler`, `memory`, `parallel`
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -283,14 +284,41 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """The keys whose values differ between two flattened configs (NaN equals NaN)."""
+def field_defaults(cls: type) -> dict[str, Any]:
+    """A config class's field defaults, flattened like `flatten` (JSON values), without building
+    the class itself (a top-level config may refuse its own defaults, e.g. a missing path)."""
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        if field.default_factory is not dataclasses.MISSING:
+            value = field.default_factory()
+        elif field.default is not dataclasses.MISSING:
+            value = field.default
+        else:
+            continue
+        if dataclasses.is_dataclass(value):
+            value = dataclasses.asdict(value)
+        out[field.name] = json.loads(json.dumps(value))
+    return flatten(out)
+
+
+def changed_keys(
+    old: dict[str, Any], new: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> list[str]:
+    """The keys whose values differ between two flattened configs (NaN equals NaN). With
+    `defaults` (`field_defaults`), a key the old record lacks is no change if the new value is
+    the field's default: a field added since the record was written, keeping the old behaviour."""
 
     def same(a: Any, b: Any) -> bool:
         both_nan = isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
         return both_nan or a == b
 
-    return sorted(k for k in set(old) | set(new) if not same(old.get(k), new.get(k)))
+    def added_as_default(k: str) -> bool:
+        if defaults is None or k in old or k not in new or k not in defaults:
+            return False
+        return same(defaults[k], new[k])
+
+    keys = set(old) | set(new)
+    return sorted(k for k in keys if not same(old.get(k), new.get(k)) and not added_as_default(k))
 
 
 def describe_changes(old: dict[str, Any], new: dict[str, Any], keys: Sequence[str]) -> str:

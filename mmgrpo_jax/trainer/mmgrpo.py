@@ -62,6 +62,7 @@ from mmgrpo_jax.trainer.config import (
     SamplerConfig,
     changed_keys,
     describe_changes,
+    field_defaults,
     flatten,
 )
 from mmgrpo_jax.trainer.interrupt import Interrupted, StopSignals
@@ -778,7 +779,7 @@ class MMGRPO:
         fields may differ from the checkpoint's config."""
         saved = flatten(meta["config"])
         now = flatten(json.loads(json.dumps(dataclasses.asdict(self.config))))
-        changed = changed_keys(saved, now)
+        changed = changed_keys(saved, now, field_defaults(MMGRPOConfig))
         refused = [k for k in changed if k not in RESUMABLE_FIELDS]
         if refused:
             listed = describe_changes(saved, now, refused)

@@ -177,6 +177,7 @@ prompt_lm: {{max_tokens: 8}}
 strategy: "{strategy}"
 train_limit: 4
 val_limit: 3
+test_limit: 2
 """
     )
     return str(config)
@@ -230,6 +231,22 @@ def test_better_together_cli_records_every_stage_and_saves_the_best(checkpoint, 
     assert json.loads((best_dir / "better_together.json").read_text()) == result
     assert set(json.loads((best_dir / "program.json").read_text())) == {"classify"}
     assert (best_dir / "adapter" / "adapter_config.json").is_file()
+    # summary.json is what a sweep reads: every stage on the valset and the unseen test split
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stages"] == result["stages"] and summary["best"] == result["best"]
+    assert all(0 <= s["test"] <= 1 for s in result["stages"])
+    chosen = result["stages"][result["best_index"]]
+    assert summary["test_after"] == chosen["test"] and summary["valset_after"] == best["valset"]
+    assert summary["test_gain"] == chosen["test"] - result["stages"][0]["test"]
+    assert summary["weight_stage"]["steps"] == 1  # the mmGRPO stage's own summary, kept
+    assert summary["wall_seconds"] > 0
+    # strategy=none: the program as written, scored on both splits (a Table 1 baseline row)
+    none = ["better-together", "--config", experiment_yaml(tmp_path, checkpoint, "none")]
+    assert cli.main([*none, f"mmgrpo.run_dir={tmp_path / 'vanilla'}"]) == 0
+    vanilla = json.loads((tmp_path / "vanilla" / "summary.json").read_text())
+    assert [s["stage"] for s in vanilla["stages"]] == ["start"]
+    assert vanilla["test_after"] == vanilla["test_start"] == result["stages"][0]["test"]
+    assert vanilla["weight_stage"] is None
     assert (
         cli.main(["better-together", "--config", experiment_yaml(tmp_path, checkpoint, "w -> w")])
         == 2

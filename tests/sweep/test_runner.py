@@ -315,3 +315,23 @@ def test_report_only_refuses_a_runs_csv_row_of_another_sweep(tmp_path, fake_runs
     shutil.rmtree(tmp_path / "sweep" / "runs")
     with pytest.raises(UserError, match=r"runs.csv row 2 .* is not a run of this sweep"):
         run_sweep(config, progress=False, report_only=True)
+
+
+def test_a_better_together_run_is_finished_by_its_own_summary_not_its_weight_stages(tmp_path):
+    config = load_sweep(
+        None, command="better-together", out=str(tmp_path), grid="strategy=w,none", seeds="0"
+    )
+    cell = config.cells[0]
+    run_dir = config.run_dir(cell, 0)
+    run_dir.mkdir(parents=True)
+    assert not runner._finished(config, cell, 0)
+    summary = run_dir / "summary.json"
+    summary.write_text(json.dumps({"steps": 20, "wall_seconds": 1.0}))  # the weight stage's
+    assert not runner._finished(config, cell, 0)  # a relaunch resumes it
+    summary.write_text(json.dumps({"strategy": "w", "test_after": 0.5, "wall_seconds": 2.0}))
+    assert runner._finished(config, cell, 0)
+    train = load_sweep(None, command="train", out=str(tmp_path / "t"), grid="seed_ish=1", seeds="0")
+    train_dir = train.run_dir(train.cells[0], 0)
+    train_dir.mkdir(parents=True)
+    (train_dir / "summary.json").write_text(json.dumps({"steps": 20, "wall_seconds": 1.0}))
+    assert runner._finished(train, train.cells[0], 0)  # a trainer's summary is its run's end

@@ -1,3 +1,6 @@
+import dataclasses
+import json
+
 import pytest
 
 from mmgrpo_jax.rl.losses import LossConfig
@@ -7,6 +10,9 @@ from mmgrpo_jax.trainer.config import (
     OptimConfig,
     ParallelConfig,
     SamplerConfig,
+    changed_keys,
+    field_defaults,
+    flatten,
 )
 
 
@@ -75,3 +81,17 @@ def test_every_section_names_its_bad_field(make, message):
 def test_coordinator_addresses_as_users_write_them():
     for address, port in [("127.0.0.1:1234", 1234), ("node-3:65535", 65535), ("[::1]:8476", 8476)]:
         assert DistributedConfig(address, num_processes=2).coordinator_port == port
+
+
+def test_a_field_added_at_its_default_is_no_change_to_an_older_record():
+    """A checkpoint or sweep folder written before a config field existed still resumes, unless
+    the new field is set away from its default."""
+    defaults = field_defaults(MMGRPOConfig)
+    assert defaults["loss.variant"] == "grpo" and defaults["sampler.temperature"] == 1.0
+    now = flatten(json.loads(json.dumps(dataclasses.asdict(MMGRPOConfig()))))
+    older = {k: v for k, v in now.items() if k != "loss.sapo_tau_pos"}  # before the field
+    assert changed_keys(older, now) == ["loss.sapo_tau_pos"]  # without defaults: a change
+    assert changed_keys(older, now, defaults) == []
+    moved = {**now, "loss.sapo_tau_pos": 2.0}
+    assert changed_keys(older, moved, defaults) == ["loss.sapo_tau_pos"]
+    assert changed_keys({**older, "loss.gone": 1}, now, defaults) == ["loss.gone"]
