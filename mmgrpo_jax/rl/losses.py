@@ -11,6 +11,7 @@ group of rows sharing a unit id (trajectory-level grouping: all calls of one tra
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
@@ -20,7 +21,9 @@ import jax.numpy as jnp
 from mmgrpo_jax.errors import check_field_types
 from mmgrpo_jax.rl.registry import Registry
 
-Aggregation = Literal["sequence_mean", "token_mean_local", "token_mean_global", "fixed_length"]
+Aggregation = Literal[
+    "sequence_mean", "sequence_sum", "token_mean_local", "token_mean_global", "fixed_length"
+]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 
@@ -100,12 +103,22 @@ class LossConfig:
     unset in an MMGRPOConfig it becomes the sampler's `max_completion_tokens`.
     """
 
-    variant: str = "grpo"  # grpo | bnpo | dapo | dr_grpo | cispo | gspo, or a registered one
+    # grpo | bnpo | dapo | dr_grpo | cispo | gspo | sapo | luspo | vespo, or a registered one
+    variant: str = "grpo"
     epsilon: float = 0.2  # the lower clip: rho >= 1 - epsilon
     epsilon_high: float | None = None  # the upper clip (cispo: the cap); null: epsilon
     delta: float | None = None  # two-sided clipping: rho <= delta in the unclipped term
     beta: float = 0.0  # the k3 KL to the base weights (LoRA off); 0: no reference pass
     max_completion_length: int | None = None  # dr_grpo's normaliser; null: the sampler's
+    sapo_tau_pos: float = 1.0  # sapo's gate temperature for A > 0
+    sapo_tau_neg: float = 1.05  # and for A <= 0
+    vespo_k_pos: float = 2.0  # vespo's gamma weight phi(w) = exp(lam + k log w - lam w), A >= 0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0  # and for A < 0
+    vespo_lambda_neg: float = 2.0
+    # DeepSeek-V3.2's off-policy sequence mask: a row with A < 0 whose mean (sampler - trainer)
+    # log-prob gap is above this drops out of the loss; null: off
+    off_policy_mask_threshold: float | None = None
 
     @property
     def eps_high(self) -> float:
@@ -134,6 +147,15 @@ class LossConfig:
                 raise ValueError(f"LossConfig.delta must be > 1, got {self.delta!r}")
         if not self.beta >= 0:
             raise ValueError(f"LossConfig.beta must be >= 0, got {self.beta!r}")
+        for name in ("sapo_tau_pos", "sapo_tau_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"LossConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        threshold = self.off_policy_mask_threshold
+        if threshold is not None and not math.isfinite(threshold):
+            raise ValueError(
+                f"LossConfig.off_policy_mask_threshold must be a finite number or null, got "
+                f"{threshold!r}"
+            )
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ValueError(
                 "LossConfig.max_completion_length must be a positive int or null, got "
@@ -172,12 +194,58 @@ def _cispo_terms(cfg: LossConfig, x: TokenInputs) -> TokenTerms:
     return TokenTerms(loss, ratio, jnp.zeros_like(high), high)
 
 
+def _sapo_terms(cfg: LossConfig, x: TokenInputs) -> TokenTerms:
+    """SAPO: a soft gate, -(4/tau) sigmoid(tau (rho - 1)) A, in place of the hard clip; its
+    gradient fades smoothly as rho leaves 1 instead of stopping (tau by the advantage's sign)."""
+    ratio = jnp.exp(x.log_ratio)
+    tau = jnp.where(x.advantages > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    loss = -(4.0 / tau) * jax.nn.sigmoid(tau * (ratio - 1.0)) * x.advantages
+    none = jnp.zeros(ratio.shape, bool)
+    return TokenTerms(loss, ratio, none, none)
+
+
+def _vespo_terms(cfg: LossConfig, x: TokenInputs) -> TokenTerms:
+    """VESPO: REINFORCE weighted by a gamma function of the sequence ratio, phi(w) = exp(lam +
+    k log w - lam w) (phi(1) = 1), with log w the *sum* of the clamped token log-ratios."""
+    log_ratio = jnp.where(x.mask, jnp.clip(x.log_ratio, -20.0, 20.0), 0.0)
+    log_w = jnp.clip(log_ratio.sum(-1, keepdims=True), math.log(1e-8), 20.0)  # [B, 1]
+    positive = x.advantages >= 0
+    k = jnp.where(positive, cfg.vespo_k_pos, cfg.vespo_k_neg)
+    lam = jnp.where(positive, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
+    phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
+    phi = jax.lax.stop_gradient(jnp.where(jnp.isfinite(phi), phi, 0.0))
+    loss = -phi * x.advantages * x.logps
+    ratio = jnp.exp(log_w) * jnp.ones_like(x.logps)
+    none = jnp.zeros(x.logps.shape, bool)
+    return TokenTerms(loss, ratio, none, none)
+
+
 register_loss("grpo", _clipped_terms, aggregation="sequence_mean", uses_delta=True)
 register_loss("bnpo", _clipped_terms, aggregation="token_mean_local", uses_delta=True)
 register_loss("dapo", _clipped_terms, aggregation="token_mean_global", uses_delta=True)
 register_loss("dr_grpo", _clipped_terms, aggregation="fixed_length", uses_delta=True)
 register_loss("cispo", _cispo_terms, aggregation="token_mean_global")
 register_loss("gspo", _gspo_terms, aggregation="sequence_mean")
+register_loss("sapo", _sapo_terms, aggregation="sequence_mean")
+# LUSPO: GSPO's sequence ratio, each sequence's loss weighted by its length: (1/N) sum |o_i| l_i
+register_loss("luspo", _gspo_terms, aggregation="sequence_sum", uses_delta=True)
+register_loss("vespo", _vespo_terms, aggregation="token_mean_global")
+
+
+def off_policy_keep(
+    advantages: jax.Array,  # [B, 1]
+    logps: jax.Array,  # [B, T] trainer log-probs
+    sampler_logps: jax.Array,  # [B, T] the log-probs the tokens were sampled with
+    mask: jax.Array,  # [B, T]
+    threshold: float,
+) -> jax.Array:
+    """DeepSeek-V3.2's off-policy sequence mask, [B, 1]: a row stays unless its advantage is
+    negative and its mean (sampler - trainer) log-prob gap, a KL estimate, exceeds `threshold`.
+    A gap that is not finite (a token the sampler could not score) counts as 0, as in TRL."""
+    gap = jnp.where(mask, sampler_logps - jax.lax.stop_gradient(logps), 0.0)
+    gap = jnp.where(jnp.isfinite(gap), gap, 0.0)
+    mean_gap = gap.sum(-1, keepdims=True) / jnp.maximum(mask.sum(-1, keepdims=True), 1)
+    return (advantages >= 0) | (mean_gap <= threshold)
 
 
 def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
@@ -197,6 +265,7 @@ def policy_loss(
     num_tokens: jax.Array | int | None = None,
     num_micro_batches: int = 1,
     batch: Any = None,
+    sampler_logps: jax.Array | None = None,  # [B, T] the sampler's; the off-policy mask's input
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The loss to minimise and its metrics, DESIGN section 4.
 
@@ -206,7 +275,8 @@ def policy_loss(
     step's `num_sequences` (units) and `num_tokens` so that summing the micro-batch losses gives
     the step's loss; by default both are counted in this batch. bnpo averages micro-batch token
     means by definition, so it takes `num_micro_batches` instead. `batch` reaches the variant's
-    token function as `inputs.batch`.
+    token function as `inputs.batch`. With `off_policy_mask_threshold` set, `sampler_logps`
+    (else the old log-probs, TRL's fallback) feed the off-policy sequence mask.
     """
     if cfg.beta > 0 and ref_logps is None:
         raise ValueError(f"LossConfig.beta={cfg.beta} needs ref_logps for the KL term")
@@ -235,6 +305,11 @@ def policy_loss(
     terms = variant.token_terms(cfg, TokenInputs(logps, old_logps, log_ratio, adv, mask, batch))
     _check_terms(cfg.variant, terms, mask.shape)
     per_token = terms.loss
+    kept = jnp.ones_like(adv, bool)
+    if cfg.off_policy_mask_threshold is not None:
+        behaviour = old_logps if sampler_logps is None else sampler_logps.astype(jnp.float32)
+        kept = off_policy_keep(adv, logps, behaviour, mask, cfg.off_policy_mask_threshold)
+        per_token = jnp.where(kept, per_token, 0.0)  # before the KL term, as TRL
     kl = jnp.zeros_like(per_token)
     if ref_logps is not None:
         ref = jax.lax.stop_gradient(jnp.where(mask, ref_logps.astype(jnp.float32), 0.0))
@@ -257,6 +332,8 @@ def policy_loss(
 
     if variant.aggregation == "sequence_mean":
         loss = jnp.sum(seq_sum / jnp.maximum(seq_tokens, 1)) / sequences
+    elif variant.aggregation == "sequence_sum":  # a unit's tokens sum: longer units weigh more
+        loss = row_sum.sum() / sequences
     elif variant.aggregation == "token_mean_global":
         loss = row_sum.sum() / tokens
     elif variant.aggregation == "token_mean_local":
@@ -270,5 +347,7 @@ def policy_loss(
         "ratio_mean": _masked_mean(terms.ratio, mask),
         "kl_mean": _masked_mean(kl, mask),
         "tokens": row_tokens.sum(),
+        # completion tokens in rows the off-policy mask dropped
+        "off_policy_masked_fraction": _masked_mean(jnp.broadcast_to(~kept, mask.shape), mask),
     }
     return loss, metrics

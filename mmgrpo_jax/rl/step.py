@@ -206,6 +206,8 @@ def make_train_step(
             ref_model = nnx.merge(graphdef, frozen.reference, frozen.base)
             ref = jax.lax.stop_gradient(logprobs(ref_model))
         old = jax.lax.stop_gradient(logps) if micro.old_logps is None else micro.old_logps
+        # what the tokens were sampled with: the sampler's log-probs where the LM returned them
+        behaviour = jnp.where(micro.has_sampler_logps[:, None], micro.sampler_logps, old)
         loss, metrics = policy_loss(
             loss_cfg,
             logps,
@@ -218,6 +220,7 @@ def make_train_step(
             num_tokens=micro.num_tokens,
             num_micro_batches=count,
             batch=micro,
+            sampler_logps=behaviour,
         )
         gap_sum, gap_tokens = _sampler_gap(jax.lax.stop_gradient(logps), micro)
         return loss, {**metrics, "gap_sum": gap_sum, "gap_tokens": gap_tokens}

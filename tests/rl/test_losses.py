@@ -21,18 +21,28 @@ def config(variant, **kwargs):
 # ---------------------------------------------------------------- numpy restatement (float64)
 
 
-def reference(cfg, logps, old, adv, mask, ref=None, tids=None, num_sequences=None):
-    """DESIGN section 4 token by token, with explicit loops; masked entries are never read."""
+def reference(cfg, logps, old, adv, mask, ref=None, tids=None, num_sequences=None, sampler=None):
+    """DESIGN section 4 (TRL 1.16's _compute_loss) token by token, with explicit loops; masked
+    entries are never read."""
     e, eh = cfg.epsilon, cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
     if tids is not None:
         mask = mask & (np.asarray(tids) >= 0)[:, None]  # a padding row counts nowhere
     rows, cols = mask.shape
     per = np.zeros((rows, cols))
-    ratios, low, high, kls = [], [], [], []
+    ratios, low, high, kls, dropped = [], [], [], [], []
     for i in range(rows):
         n_i = int(mask[i].sum())
         seq = sum(logps[i, t] - old[i, t] for t in range(cols) if mask[i, t])
         s = math.exp(seq / max(n_i, 1))
+        # vespo: log w is the clamped *sum* of the clamped token log-ratios
+        clamped = sum(min(max(logps[i, t] - old[i, t], -20), 20) for t in range(cols) if mask[i, t])
+        log_w = min(max(clamped, math.log(1e-8)), 20.0)
+        keep = True
+        if cfg.off_policy_mask_threshold is not None:  # TRL's get_off_policy_mask
+            behaviour = old if sampler is None else sampler
+            gaps = [behaviour[i, t] - logps[i, t] for t in range(cols) if mask[i, t]]
+            gaps = [g if math.isfinite(g) else 0.0 for g in gaps]
+            keep = adv[i] >= 0 or sum(gaps) / max(n_i, 1) <= cfg.off_policy_mask_threshold
         for t in range(cols):
             if not mask[i, t]:
                 continue
@@ -43,15 +53,35 @@ def reference(cfg, logps, old, adv, mask, ref=None, tids=None, num_sequences=Non
                 val = -min(first * a, min(max(rho, 1 - e), 1 + eh) * a)
                 low.append(rho < 1 - e and a < 0)
                 high.append(rho > 1 + eh and a > 0)
-            elif cfg.variant == "gspo":
+            elif cfg.variant in ("gspo", "luspo"):
                 rho = s
-                val = -min(s * a, min(max(s, 1 - e), 1 + eh) * a)
+                first = s if cfg.delta is None else min(s, cfg.delta)
+                val = -min(first * a, min(max(s, 1 - e), 1 + eh) * a)
                 low.append(s < 1 - e and a < 0)
                 high.append(s > 1 + eh and a > 0)
+            elif cfg.variant == "sapo":
+                tau = cfg.sapo_tau_pos if a > 0 else cfg.sapo_tau_neg
+                val = -(4 / tau) * a / (1 + math.exp(-tau * (rho - 1)))
+                low.append(False)
+                high.append(False)
+            elif cfg.variant == "vespo":
+                k, lam = (
+                    (cfg.vespo_k_pos, cfg.vespo_lambda_pos)
+                    if a >= 0
+                    else (cfg.vespo_k_neg, cfg.vespo_lambda_neg)
+                )
+                phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
+                rho = math.exp(log_w)
+                val = -phi * a * lp
+                low.append(False)
+                high.append(False)
             else:  # cispo
                 val = -min(rho, eh) * a * lp
                 low.append(False)
                 high.append(rho > eh and a > 0)
+            if not keep:
+                val = 0.0  # the off-policy mask acts before the KL term
+            dropped.append(not keep)
             kl = 0.0
             if ref is not None:
                 d = ref[i, t] - lp
@@ -69,6 +99,11 @@ def reference(cfg, logps, old, adv, mask, ref=None, tids=None, num_sequences=Non
     aggregation = VARIANTS[cfg.variant].aggregation
     if aggregation == "sequence_mean":
         loss = sum(row_sum[u].sum() / max(row_tokens[u].sum(), 1) for u in units) / n_units
+    elif aggregation == "sequence_sum":  # luspo: (1/N) sum_i |o_i| l_i
+        loss = (
+            sum(row_tokens[u].sum() * row_sum[u].sum() / max(row_tokens[u].sum(), 1) for u in units)
+            / n_units
+        )
     elif aggregation in ("token_mean_global", "token_mean_local"):
         loss = row_sum.sum() / max(row_tokens.sum(), 1)
     else:
@@ -79,6 +114,7 @@ def reference(cfg, logps, old, adv, mask, ref=None, tids=None, num_sequences=Non
         "ratio_mean": np.mean(ratios) if ratios else 0.0,
         "kl_mean": np.mean(kls) if kls else 0.0,
         "tokens": float(mask.sum()),
+        "off_policy_masked_fraction": np.mean(dropped) if dropped else 0.0,
     }
     return loss, metrics
 
@@ -122,6 +158,14 @@ CASES = [
     config("cispo", beta=0.1),
     config("gspo", epsilon=3e-4, epsilon_high=4e-4),
     config("gspo", epsilon=0.05),
+    config("sapo"),
+    config("sapo", sapo_tau_pos=0.5, sapo_tau_neg=2.0, beta=0.04),
+    config("luspo", epsilon=3e-4, epsilon_high=4e-4),
+    config("luspo", epsilon=0.05, delta=1.05, beta=0.04),
+    config("vespo"),
+    config("vespo", vespo_k_pos=1.0, vespo_lambda_neg=0.5, beta=0.04),
+    config("grpo", off_policy_mask_threshold=0.0),
+    config("dapo", off_policy_mask_threshold=0.02, beta=0.04),
 ]
 TRAJECTORIES = np.array([0, 0, 3, 1, 3, -1])  # rows 0,1 one trajectory; row 5 padding
 
@@ -133,8 +177,13 @@ def test_loss_and_metrics_equal_numpy_restatement(cfg, trajectory_level, seed):
     logps, old, ref, adv, mask = random_batch(seed)
     ref_in = ref if cfg.beta > 0 else None
     tids = TRAJECTORIES if trajectory_level else None
-    loss, metrics = run(cfg, logps, old, adv, mask, ref_in, tids)
-    want_loss, want_metrics = reference(cfg, logps, old, adv, mask, ref_in, tids)
+    # the sampler's log-probs: on seeds 0-1 their own (a gap on both sides of the threshold),
+    # on 2-3 none given, so the off-policy mask falls back to the old log-probs (TRL's rule)
+    sampler = logps + np.random.default_rng(seed).normal(0, 0.1, logps.shape)
+    sampler = sampler if seed < 2 else None
+    extra = {} if sampler is None else {"sampler_logps": jnp.asarray(sampler, jnp.float32)}
+    loss, metrics = run(cfg, logps, old, adv, mask, ref_in, tids, **extra)
+    want_loss, want_metrics = reference(cfg, logps, old, adv, mask, ref_in, tids, sampler=sampler)
     np.testing.assert_allclose(float(loss), want_loss, rtol=2e-5, atol=1e-6)
     for key, value in want_metrics.items():
         np.testing.assert_allclose(float(metrics[key]), value, rtol=2e-5, atol=1e-6, err_msg=key)
@@ -159,6 +208,7 @@ def weights(cfg, mask, tids=None):
     unit_tokens = np.array([mask[units == u].sum() for u in units])
     w = {
         "sequence_mean": 1.0 / (n_units * np.maximum(unit_tokens, 1)),
+        "sequence_sum": np.full(len(units), 1.0 / n_units),
         "token_mean_global": np.full(len(units), 1.0 / mask.sum()),
         "token_mean_local": np.full(len(units), 1.0 / mask.sum()),
         "fixed_length": np.full(len(units), 1.0 / (n_units * L)),
@@ -184,7 +234,7 @@ def clipped_batch(advantage, log_ratio):
     return logps, old, np.full(2, advantage), np.ones((2, 3), bool)
 
 
-@pytest.mark.parametrize("variant", [*CLIPPED, "gspo"])
+@pytest.mark.parametrize("variant", [*CLIPPED, "gspo", "luspo"])
 @pytest.mark.parametrize(("advantage", "log_ratio"), [(1.0, 0.5), (-1.0, -0.5)])
 def test_gradient_vanishes_in_clipped_regions(variant, advantage, log_ratio):
     # rho = e^0.5 > 1 + 0.2 with A > 0, and rho = e^-0.5 < 1 - 0.2 with A < 0
@@ -202,6 +252,55 @@ def test_cispo_gradient_never_vanishes(advantage, log_ratio):
     grad = grad_wrt_logps(cfg, *clipped_batch(advantage, log_ratio))
     rho = min(math.exp(log_ratio), 5.0)
     np.testing.assert_allclose(grad, -advantage * rho / 6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("advantage", "log_ratio"), [(1.0, 0.5), (-1.0, -0.5), (2.0, -3.0)])
+def test_sapo_gradient_is_the_soft_gate_derivative_and_never_vanishes(advantage, log_ratio):
+    """d/dl of -(4/tau) sigmoid(tau (rho - 1)) A is -4 sigma (1 - sigma) rho A: smaller as rho
+    leaves 1, never zero as the hard clip's is."""
+    cfg = config("sapo")
+    grad = grad_wrt_logps(cfg, *clipped_batch(advantage, log_ratio))
+    rho, tau = math.exp(log_ratio), 1.0 if advantage > 0 else 1.05
+    sigma = 1 / (1 + math.exp(-tau * (rho - 1)))
+    want = -4 * sigma * (1 - sigma) * rho * advantage / 6  # mean of 2 rows of 3 tokens
+    np.testing.assert_allclose(grad, want, rtol=1e-5)
+    assert np.all(grad != 0)
+
+
+@pytest.mark.parametrize(("advantage", "log_ratio"), [(1.0, 0.2), (-1.0, -0.1), (1.0, 3.0)])
+def test_vespo_gradient_is_reinforce_scaled_by_the_stopped_gamma_weight(advantage, log_ratio):
+    cfg = config("vespo")
+    grad = grad_wrt_logps(cfg, *clipped_batch(advantage, log_ratio))
+    k, lam = (2.0, 3.0) if advantage >= 0 else (3.0, 2.0)
+    log_w = 3 * log_ratio  # the sum over the row's 3 tokens
+    phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
+    np.testing.assert_allclose(grad, -phi * advantage / 6, rtol=1e-5, atol=1e-12)  # 6 tokens
+
+
+def test_luspo_weighs_a_sequence_by_its_length_where_gspo_does_not():
+    logps, old, _, adv, mask = random_batch(4)
+    old = np.where(mask, logps, 0.0)  # ratio 1: each row's loss is -A
+    lengths = mask.sum(1)
+    for variant, want in [
+        ("gspo", -adv[lengths > 0].sum() / B),
+        ("luspo", -(adv * lengths).sum() / B),
+    ]:
+        loss, _ = run(config(variant), logps, old, adv, mask)
+        np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+
+
+def test_off_policy_mask_drops_only_negative_rows_the_sampler_has_drifted_from():
+    logps = np.full((4, 3), -1.0)
+    adv = np.array([1.0, -1.0, -1.0, 1.0])
+    mask = np.ones((4, 3), bool)
+    sampler = logps + np.array([[0.5], [0.5], [0.01], [0.5]])  # mean gaps 0.5, 0.5, 0.01, 0.5
+    cfg = config("grpo", off_policy_mask_threshold=0.1)
+    out = {"sampler_logps": jnp.asarray(sampler, jnp.float32)}
+    grad = grad_wrt_logps(cfg, logps, logps, adv, mask, **out)
+    np.testing.assert_array_equal(grad[1], 0.0)  # A < 0 and gap 0.5 > 0.1: dropped
+    assert np.all(grad[[0, 2, 3]] != 0)  # A >= 0, or a small gap: kept
+    _, metrics = run(cfg, logps, logps, adv, mask, **out)
+    assert float(metrics["off_policy_masked_fraction"]) == 0.25
 
 
 def test_delta_caps_the_unclipped_term():
@@ -281,6 +380,9 @@ def test_bnpo_averages_micro_batch_token_means():
         ({"variant": "grpo", "beta": -0.01}, "beta must be >= 0, got -0.01"),
         ({"variant": "grpo", "delta": 0.9}, "delta must be > 1, got 0.9"),
         ({"variant": "gspo", "delta": 2.0}, "delta applies to grpo"),
+        ({"variant": "sapo", "sapo_tau_neg": 0.0}, "sapo_tau_neg must be > 0, got 0.0"),
+        ({"variant": "vespo", "vespo_lambda_pos": -1.0}, "vespo_lambda_pos must be > 0"),
+        ({"off_policy_mask_threshold": float("nan")}, "off_policy_mask_threshold must be a"),
         ({"variant": "cispo"}, "epsilon_high is cispo's absolute cap .* got None"),
         ({"variant": "cispo", "epsilon_high": 0.2}, "got 0.2"),
     ],
