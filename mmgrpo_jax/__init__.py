@@ -11,8 +11,16 @@ tiny policies).
 from mmgrpo_jax.engines.base import Request, RolloutEngine, Sampling
 from mmgrpo_jax.engines.jax_engine import JaxEngine
 from mmgrpo_jax.engines.lm import EngineLM
+from mmgrpo_jax.rl.advantages import GroupStats, register_advantage_scale
 from mmgrpo_jax.rl.grouping import Group, GroupingSettings, GroupMember, register_grouping
-from mmgrpo_jax.rl.losses import LossConfig, TokenInputs, TokenTerms, register_loss
+from mmgrpo_jax.rl.losses import (
+    LossConfig,
+    TokenInputs,
+    TokenTerms,
+    UnitSums,
+    register_aggregation,
+    register_loss,
+)
 from mmgrpo_jax.trainer.config import MemoryConfig, MMGRPOConfig, OptimConfig, SamplerConfig
 from mmgrpo_jax.trainer.mmgrpo import MMGRPO
 
@@ -21,6 +29,7 @@ __all__ = [
     "EngineLM",
     "Group",
     "GroupMember",
+    "GroupStats",
     "GroupingSettings",
     "JaxEngine",
     "LossConfig",
@@ -33,6 +42,9 @@ __all__ = [
     "Sampling",
     "TokenInputs",
     "TokenTerms",
+    "UnitSums",
+    "register_advantage_scale",
+    "register_aggregation",
     "register_grouping",
     "register_loss",
 ]

@@ -39,7 +39,9 @@ class GroupsDemoConfig:
                 f"GroupsDemoConfig.align must be one of {ALIGN_MODES}, got {self.align!r}"
             )
         if self.scale not in SCALES:
-            raise ValueError(f"GroupsDemoConfig.scale must be one of {SCALES}, got {self.scale!r}")
+            raise ValueError(
+                f"GroupsDemoConfig.scale must be one of {sorted(SCALES)}, got {self.scale!r}"
+            )
         for name in ("accuracy", "format_error_rate"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(

@@ -1,7 +1,8 @@
 """Policy-gradient losses: per-token objectives and their aggregations (DESIGN section 4).
 
 A variant is one per-token function with the shared signature `(cfg, TokenInputs) -> TokenTerms`
-plus the name of its aggregation, registered with `register_loss` (the built-ins below are
+plus the name of its aggregation, registered with `register_loss`; an aggregation is one
+function of `UnitSums`, registered with `register_aggregation` (the built-ins below are
 registered the same way). Everything is float32, masked with `where` on the inputs as well as
 the outputs, so padding holding -inf or NaN log-probs never reaches a gradient. Shapes: B rows,
 T completion positions. The unit a sequence-level aggregation normalises by is the row, or a
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Literal, get_args
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +22,62 @@ import jax.numpy as jnp
 from mmgrpo_jax.errors import check_field_types
 from mmgrpo_jax.rl.registry import Registry
 
-Aggregation = Literal[
-    "sequence_mean", "sequence_sum", "token_mean_local", "token_mean_global", "fixed_length"
-]
-AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+
+@dataclasses.dataclass(frozen=True)
+class UnitSums:
+    """What an aggregation reads: the masked per-token loss summed per row and per unit (rows
+    sharing a unit id), token counts, and the step's totals (under gradient accumulation the
+    whole step's, so that the micro-batch losses sum to the step's loss)."""
+
+    row_sum: jax.Array  # [B]
+    row_tokens: jax.Array  # [B]
+    unit_sum: jax.Array  # [B] indexed by unit id; 0 for ids no row has
+    unit_tokens: jax.Array  # [B]
+    units: jax.Array  # the step's number of units (>= 1)
+    tokens: jax.Array  # the step's completion tokens (>= 1)
+    num_micro_batches: int
+    fixed_length: int | None  # dr_grpo's max_completion_length
+
+
+Aggregator = Callable[[UnitSums], jax.Array]
+AGGREGATIONS: Registry[Aggregator] = Registry("aggregation", "mmgrpo_jax.register_aggregation")
+
+
+def register_aggregation(name: str, aggregate: Aggregator) -> None:
+    """Make `register_loss(..., aggregation=name)` reduce the per-token loss with `aggregate`."""
+    AGGREGATIONS.add(name, aggregate, aggregate)
+
+
+def _sequence_mean(x: UnitSums) -> jax.Array:
+    """Each unit's token mean, averaged over units: every unit weighs the same."""
+    return jnp.sum(x.unit_sum / jnp.maximum(x.unit_tokens, 1)) / x.units
+
+
+def _sequence_sum(x: UnitSums) -> jax.Array:
+    """Each unit's token sum, averaged over units: a unit weighs by its length (luspo)."""
+    return x.row_sum.sum() / x.units
+
+
+def _token_mean_global(x: UnitSums) -> jax.Array:
+    """Every token of the step alike (dapo, cispo)."""
+    return x.row_sum.sum() / x.tokens
+
+
+def _token_mean_local(x: UnitSums) -> jax.Array:
+    """The micro-batch's token mean, averaged over micro-batches (bnpo)."""
+    return x.row_sum.sum() / jnp.maximum(x.row_tokens.sum(), 1) / x.num_micro_batches
+
+
+def _fixed_length(x: UnitSums) -> jax.Array:
+    """Tokens summed over units x a constant length (dr_grpo)."""
+    return x.row_sum.sum() / (x.units * x.fixed_length)
+
+
+register_aggregation("sequence_mean", _sequence_mean)
+register_aggregation("sequence_sum", _sequence_sum)
+register_aggregation("token_mean_global", _token_mean_global)
+register_aggregation("token_mean_local", _token_mean_local)
+register_aggregation("fixed_length", _fixed_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +122,7 @@ def _check_terms(variant: str, terms: Any, shape: tuple[int, ...]) -> None:
 @dataclasses.dataclass(frozen=True)
 class Variant:
     token_terms: TokenObjective
-    aggregation: Aggregation
+    aggregation: str  # a registered aggregation
     uses_delta: bool = False
 
 
@@ -80,7 +133,7 @@ def register_loss(
     name: str,
     token_terms: TokenObjective,
     *,
-    aggregation: Aggregation = "sequence_mean",
+    aggregation: str = "sequence_mean",
     uses_delta: bool = False,
 ) -> None:
     """Make `LossConfig(variant=name)` train with `token_terms`, aggregated by `aggregation`.
@@ -88,8 +141,7 @@ def register_loss(
     `token_terms(cfg, inputs)` returns the per-token loss (to minimise) and its ratio and clip
     masks for the metrics; `inputs.batch` gives any extra per-token input added to the batch.
     """
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    AGGREGATIONS.lookup(aggregation, f"the aggregation of loss {name!r}")
     VARIANTS.add(name, token_terms, Variant(token_terms, aggregation, uses_delta))
 
 
@@ -319,27 +371,21 @@ def policy_loss(
 
     row_sum, row_tokens = per_token.sum(-1), mask.sum(-1).astype(jnp.float32)  # [B]
     if unit_ids is None:
-        seq_sum, seq_tokens, present = row_sum, row_tokens, row_sum.shape[0]
+        unit_sum, unit_tokens, present = row_sum, row_tokens, row_sum.shape[0]
     else:
         b = row_sum.shape[0]
         segment = jnp.where(unit_ids >= 0, unit_ids, b)
-        seq_sum = jax.ops.segment_sum(row_sum, segment, num_segments=b + 1)[:b]
-        seq_tokens = jax.ops.segment_sum(row_tokens, segment, num_segments=b + 1)[:b]
+        unit_sum = jax.ops.segment_sum(row_sum, segment, num_segments=b + 1)[:b]
+        unit_tokens = jax.ops.segment_sum(row_tokens, segment, num_segments=b + 1)[:b]
         rows_per_seq = jax.ops.segment_sum(jnp.ones_like(row_sum), segment, num_segments=b + 1)
         present = jnp.sum(rows_per_seq[:b] > 0)
-    sequences = jnp.maximum(present if num_sequences is None else num_sequences, 1)
+    units = jnp.maximum(present if num_sequences is None else num_sequences, 1)
     tokens = jnp.maximum(row_tokens.sum() if num_tokens is None else num_tokens, 1)
 
-    if variant.aggregation == "sequence_mean":
-        loss = jnp.sum(seq_sum / jnp.maximum(seq_tokens, 1)) / sequences
-    elif variant.aggregation == "sequence_sum":  # a unit's tokens sum: longer units weigh more
-        loss = row_sum.sum() / sequences
-    elif variant.aggregation == "token_mean_global":
-        loss = row_sum.sum() / tokens
-    elif variant.aggregation == "token_mean_local":
-        loss = row_sum.sum() / jnp.maximum(row_tokens.sum(), 1) / num_micro_batches
-    else:  # fixed_length (dr_grpo)
-        loss = row_sum.sum() / (sequences * fixed_length)
+    sums = UnitSums(
+        row_sum, row_tokens, unit_sum, unit_tokens, units, tokens, num_micro_batches, fixed_length
+    )
+    loss = AGGREGATIONS[variant.aggregation](sums)
 
     metrics = {
         "clip_low_fraction": _masked_mean(terms.clipped_low.astype(jnp.float32), mask),

@@ -163,7 +163,8 @@ class MMGRPOConfig:
     examples_per_step: int = 4
     num_steps: int = 100
     num_iterations: int = 1  # updates per batch of rollouts (> 1: the ratios move)
-    advantage_scale: str = "group"  # std per group | over the whole step (batch) | none
+    # std per group | over the whole step (batch) | none, or a registered advantage scale
+    advantage_scale: str = "group"
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
@@ -219,7 +220,12 @@ class MMGRPOConfig:
         if not 0 <= self.seed < 2**32:
             raise _bad(self, "seed", "must be in [0, 2**32) (it seeds the sampling keys)")
         if self.advantage_scale not in SCALES:
-            raise _bad(self, "advantage_scale", f"must be one of {SCALES}")
+            raise _bad(
+                self,
+                "advantage_scale",
+                f"must be a registered advantage scale ({sorted(SCALES)}; add one with "
+                f"{SCALES.register_with})",
+            )
         if self.train not in ("lora", "full"):
             raise _bad(self, "train", "must be 'lora' or 'full'")
         if self.dtype not in ("bfloat16", "float32"):

@@ -1,5 +1,6 @@
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -117,7 +118,7 @@ def test_compiles_once_for_a_fixed_padded_size():
         ([1.0, 2.0], [0, 2], {}, r"group ids must be in \[0, 2\)"),
         ([1.0, 2.0], [0, -2], {}, "got \\[-2\\]"),
         ([1.0], [0, 0], {}, "one length"),
-        ([1.0], [0], {"scale": "std"}, "scale must be one of"),
+        ([1.0], [0], {"scale": "std"}, "scale must be a registered advantage scale"),
         ([1.0], [0], {"eps": -1.0}, "eps must be >= 0"),
     ],
 )
@@ -150,3 +151,20 @@ def test_advantages_for_groups_matches_per_group_reference():
             adv, reference(g.rewards, [0] * len(g.rewards), "group", 1e-4), rtol=1e-5, atol=1e-6
         )
     assert advantages_for_groups([]) == []
+
+
+def test_a_registered_scale_runs_inside_the_kernel_with_the_padding_rules_kept():
+    """A user's scale (here: the sign of the centred reward) is one function of GroupStats; NaN
+    rewards, padding and groups of one still get 0, whatever the scale returns."""
+    advantages.register_advantage_scale("sign", lambda x: jnp.sign(x.centered) + 0 * x.count)
+    try:
+        rewards = np.array([1.0, 0.0, 0.5, np.nan, 2.0, 0.0], np.float32)
+        ids = np.array([0, 0, 0, 0, 1, -1], np.int32)
+        got = np.asarray(group_advantages(rewards, ids, scale="sign"))
+        np.testing.assert_array_equal(got, [1.0, -1.0, 0.0, 0.0, 0.0, 0.0])
+        with pytest.raises(ValueError, match="advantage scale 'sign' is already registered"):
+            advantages.register_advantage_scale("sign", lambda x: x.centered)
+    finally:
+        advantages.SCALES.pop("sign")
+    with pytest.raises(ValueError, match=r"scale must be a registered advantage scale .*'sign'"):
+        group_advantages(rewards, ids, scale="sign")

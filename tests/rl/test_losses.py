@@ -6,7 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmgrpo_jax.rl.losses import VARIANTS, LossConfig, TokenTerms, policy_loss, register_loss
+from mmgrpo_jax.rl.losses import (
+    AGGREGATIONS,
+    VARIANTS,
+    LossConfig,
+    TokenTerms,
+    policy_loss,
+    register_aggregation,
+    register_loss,
+)
 
 jax.config.update("jax_enable_x64", False)
 B, T, L = 6, 7, 10  # rows, completion positions, dr_grpo's max_completion_length
@@ -433,3 +441,25 @@ def test_a_registered_loss_with_wrong_shapes_is_refused_naming_the_term(terms, m
             run(LossConfig("misshapen"), logps, old, adv, mask)
     finally:
         VARIANTS.pop("misshapen")
+
+
+def test_a_registered_aggregation_reduces_a_registered_loss():
+    """An aggregation is one function of UnitSums; a loss names it like a built-in."""
+    register_aggregation("halved_token_sum", lambda x: x.row_sum.sum() / 2)
+    register_loss(
+        "reinforce_sum",
+        lambda cfg, x: TokenTerms(
+            -x.advantages * x.logps, jnp.exp(x.log_ratio), x.mask & False, x.mask & False
+        ),
+        aggregation="halved_token_sum",
+    )
+    try:
+        logps, old, _, adv, mask = random_batch(2)
+        loss, _ = run(LossConfig("reinforce_sum"), logps, old, adv, mask)
+        want = sum(-adv[i] * logps[i, t] for i in range(B) for t in range(T) if mask[i, t]) / 2
+        np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+        with pytest.raises(ValueError, match=r"aggregation of loss 'x' must be a registered"):
+            register_loss("x", lambda cfg, x: None, aggregation="no_such")
+    finally:
+        VARIANTS.pop("reinforce_sum")
+        AGGREGATIONS.pop("halved_token_sum")

@@ -43,7 +43,7 @@ def test_dr_grpo_normalises_by_the_samplers_completion_limit():
         (lambda: OptimConfig(decay="step"), "decay must be constant, linear or cosine"),
         (lambda: MMGRPOConfig(align="fill"), "MMGRPOConfig.align must be one of"),
         (lambda: MMGRPOConfig(select_k=1), "select_k must be >= 2 or null, got 1"),
-        (lambda: MMGRPOConfig(advantage_scale="rank"), "advantage_scale must be one of"),
+        (lambda: MMGRPOConfig(advantage_scale="rank"), "advantage_scale must be a registered"),
         (lambda: MMGRPOConfig(seed=2**32), r"seed must be in \[0, 2\*\*32\)"),
         (lambda: ParallelConfig(fsdp=0), "ParallelConfig.fsdp must be >= 1, got 0"),
         (lambda: ParallelConfig(devices=0), "ParallelConfig.devices must be >= 1 or null"),
