@@ -2,26 +2,33 @@
 
 A row is one (prompt, completion) pair from a trace: the exact sampled token ids, never text
 re-rendered from parsed fields. Every row carries a unit id: the sequence it belongs to in the
-loss's sequence-level aggregations (its own, or its group member's with a "trajectory" grouping
-rule). Rows are right-padded into [M, b, L] micro-batches whose length L is bucketed; a unit
-never spans two micro-batches; the loss mask covers completion targets only. A new per-token
-input for a loss is one field of `Batch`, filled in `pack_rows` and read by name in the loss
-(`TokenInputs.batch`). Shapes: M micro-batches, b rows each, L tokens.
+loss's sequence-level aggregations (its own, its group member's with a "trajectory" grouping
+rule, or its rollout's or example's with `MMGRPOConfig.loss_unit`). Rows are right-padded into
+[M, b, L] micro-batches whose length L is bucketed; a unit never spans two micro-batches; the
+loss mask covers completion targets only. A new per-token input for a loss is one field of
+`Batch`, filled in `pack_rows` and read by name in the loss (`TokenInputs.batch`). Shapes: M
+micro-batches, b rows each, L tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmgrpo_jax.rl.grouping import Group, Unit
+from mmgrpo_jax.rl.grouping import Group, GroupMember
 from mmgrpo_jax.sampling import LENGTH_GRANULE, length_bucket
 from mmgrpo_jax.shapes import bucket
+
+# what a row's unit id groups: a grouping rule's "row" / "trajectory" (a group member), or a
+# loss_unit's "rollout" (a trajectory across groups) / "example"
+RowUnit = Literal["row", "trajectory", "rollout", "example"]
+ROW_UNITS: tuple[str, ...] = get_args(RowUnit)
 
 ROW_GRANULE = 64  # training rows up to LENGTH_GRANULE tokens: multiples of this past it
 
@@ -53,22 +60,42 @@ def rows_from_groups(
     groups: Sequence[Group],
     advantages: Sequence[np.ndarray],
     *,
-    unit: Unit = "row",
+    unit: RowUnit = "row",
     mask_truncated_completions: bool = False,
 ) -> list[Row]:
     """One row per (member, call): the exact sampled ids, the member's advantage.
 
-    With `unit="trajectory"` every group member is one unit with its own id, so a member that
-    padding or select-K repeated counts twice, as TRL trains a repeated completion twice; with
-    `unit="row"` every row is its own unit.
+    The unit says which rows the loss normalises together. `"row"`: every row alone.
+    `"trajectory"` (a grouping rule's): every group member is one unit with its own id, so a
+    member that padding or select-K repeated counts twice, as TRL trains a repeated completion
+    twice. `"rollout"` (`loss_unit="trajectory"`): all rows of one rollout of one example, across
+    every group it has calls in (a repeat inside a group is again a unit of its own); under
+    trajectory-level groups this is the member. `"example"`: all rows of all rollouts of one
+    example.
     """
+    if unit not in ROW_UNITS:
+        raise ValueError(f"unit must be one of {ROW_UNITS}, got {unit!r}")
     rows: list[Row] = []
-    members = (
-        (member, advantage)
-        for group, group_advantages in zip(groups, advantages, strict=True)
-        for member, advantage in zip(group.members, group_advantages, strict=True)
-    )
-    for member_unit, (member, advantage) in enumerate(members):
+    keys: dict[tuple, int] = {}  # a unit's key -> its id
+
+    def unit_id(group: Group, member: GroupMember, member_index: int, seen: dict) -> int:
+        if unit == "trajectory":
+            key: tuple = ("member", member_index)
+        elif unit == "rollout":
+            occurrence = seen.get(member.rollout_index, 0)
+            seen[member.rollout_index] = occurrence + 1
+            key = (group.example_index, member.rollout_index, occurrence)
+        else:  # example
+            key = (group.example_index,)
+        return keys.setdefault(key, len(keys))
+
+    members = []
+    for group, group_advantages in zip(groups, advantages, strict=True):
+        seen: dict[int, int] = {}  # rollout -> its members so far in this group
+        for member, advantage in zip(group.members, group_advantages, strict=True):
+            member_unit = None if unit == "row" else unit_id(group, member, len(members), seen)
+            members.append((member, advantage, member_unit))
+    for member, advantage, member_unit in members:
         for call in member.calls:
             if call.prompt_ids is None or call.completion_ids is None:
                 raise ValueError(
@@ -83,7 +110,7 @@ def rows_from_groups(
                     call.prompt_ids,
                     call.completion_ids,
                     float(advantage),
-                    member_unit if unit == "trajectory" else len(rows),
+                    len(rows) if member_unit is None else member_unit,
                     call.logprobs,
                     in_loss=not (mask_truncated_completions and truncated),
                 )
@@ -147,8 +174,8 @@ def micro_batch_layout(rows: Sequence[Row], micro_batch_size: int) -> list[list[
     for members in _units(rows):
         if len(members) > micro_batch_size:
             raise ValueError(
-                f"unit {rows[members[0]].unit} (a trajectory) has {len(members)} rows, more than "
-                f"micro_batch_size={micro_batch_size}; raise it"
+                f"loss unit {rows[members[0]].unit} (a trajectory or an example) has "
+                f"{len(members)} rows, more than micro_batch_size={micro_batch_size}; raise it"
             )
         if len(chunks[-1]) + len(members) > micro_batch_size:
             chunks.append([])
@@ -201,7 +228,8 @@ def pack_layout(
             spots = place(members, fill)
             if spots is None:
                 raise ValueError(
-                    f"unit {rows[members[0]].unit} (a trajectory) of {len(members)} rows, "
+                    f"loss unit {rows[members[0]].unit} (a trajectory or an example) of "
+                    f"{len(members)} rows, "
                     f"{sum(lengths[k] for k in members)} tokens, does not fit micro_batch_size="
                     f"{sequences} sequences of memory.pack_length={pack_length}; raise either"
                 )

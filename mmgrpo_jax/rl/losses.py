@@ -168,9 +168,16 @@ class LossConfig:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0  # and for A < 0
     vespo_lambda_neg: float = 2.0
+    # a registered aggregation in place of the variant's own; MMGRPOConfig.loss_unit sets it
+    aggregation: str | None = None
     # DeepSeek-V3.2's off-policy sequence mask: a row with A < 0 whose mean (sampler - trainer)
     # log-prob gap is above this drops out of the loss; null: off
     off_policy_mask_threshold: float | None = None
+
+    @property
+    def aggregation_name(self) -> str:
+        """The aggregation this loss reduces with: `aggregation`, else the variant's."""
+        return self.aggregation or VARIANTS[self.variant].aggregation
 
     @property
     def eps_high(self) -> float:
@@ -180,6 +187,8 @@ class LossConfig:
     def __post_init__(self) -> None:
         check_field_types(self)
         VARIANTS.lookup(self.variant, "LossConfig.variant")
+        if self.aggregation is not None:
+            AGGREGATIONS.lookup(self.aggregation, "LossConfig.aggregation")
         if not self.epsilon >= 0:
             raise ValueError(f"LossConfig.epsilon must be >= 0, got {self.epsilon!r}")
         if self.variant == "cispo" and (self.epsilon_high is None or self.epsilon_high < 1):
@@ -341,7 +350,7 @@ def policy_loss(
         raise ValueError(f"advantages must be [B]={logps.shape[:1]}, got {advantages.shape}")
     variant = VARIANTS[cfg.variant]
     fixed_length = cfg.max_completion_length
-    if variant.aggregation == "fixed_length" and fixed_length is None:
+    if cfg.aggregation_name == "fixed_length" and fixed_length is None:
         raise ValueError(
             f"loss variant {cfg.variant!r} needs LossConfig.max_completion_length (an MMGRPOConfig "
             "sets it to max_completion_tokens)"
@@ -385,7 +394,7 @@ def policy_loss(
     sums = UnitSums(
         row_sum, row_tokens, unit_sum, unit_tokens, units, tokens, num_micro_batches, fixed_length
     )
-    loss = AGGREGATIONS[variant.aggregation](sums)
+    loss = AGGREGATIONS[cfg.aggregation_name](sums)
 
     metrics = {
         "clip_low_fraction": _masked_mean(terms.clipped_low.astype(jnp.float32), mask),

@@ -29,6 +29,7 @@ from models.fetch import MODELS, resolve_model_path
 from models.lora import LoRAConfig
 
 ENGINES = ("continuous", "static")
+LOSS_UNITS = ("token", "call", "trajectory", "example")  # MMGRPOConfig.loss_unit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +167,9 @@ class MMGRPOConfig:
     # std per group | over the whole step (batch) | none, or a registered advantage scale
     advantage_scale: str = "group"
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    # what gets equal weight in the loss: token | call | trajectory | example; null: the loss
+    # variant's aggregation over the grouping rule's unit (module: call, trajectory: trajectory)
+    loss_unit: str | None = None
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
@@ -226,6 +230,7 @@ class MMGRPOConfig:
                 f"must be a registered advantage scale ({sorted(SCALES)}; add one with "
                 f"{SCALES.register_with})",
             )
+        self._check_loss_unit()
         if self.train not in ("lora", "full"):
             raise _bad(self, "train", "must be 'lora' or 'full'")
         if self.dtype not in ("bfloat16", "float32"):
@@ -246,7 +251,7 @@ class MMGRPOConfig:
                 f"MMGRPOConfig.memory.pack_length={pack} is shorter than the longest row, "
                 f"sampler.max_prompt_tokens + max_completion_tokens = {longest}"
             )
-        if pack and VARIANTS[self.loss.variant].aggregation == "token_mean_local":
+        if pack and self.resolved_loss.aggregation_name == "token_mean_local":
             raise ValueError(
                 f"MMGRPOConfig.memory.pack_length={pack} with loss.variant="
                 f"{self.loss.variant!r}: its per-micro-batch token mean depends on which rows "
@@ -274,9 +279,39 @@ class MMGRPOConfig:
     @property
     def resolved_loss(self) -> LossConfig:
         """The loss the trainer runs: dr_grpo's constant normaliser, unless given (and then equal),
-        is the longest completion the sampler may return."""
+        is the longest completion the sampler may return; `loss_unit` sets the aggregation."""
         limit = self.sampler.max_completion_tokens
-        return dataclasses.replace(self.loss, max_completion_length=limit)
+        loss = dataclasses.replace(self.loss, max_completion_length=limit)
+        if self.loss_unit is not None:
+            unit_aggregation = "token_mean_global" if self.loss_unit == "token" else "sequence_mean"
+            loss = dataclasses.replace(loss, aggregation=unit_aggregation)
+        return loss
+
+    @property
+    def row_unit(self) -> str:
+        """What a training row's unit id groups (rl.batch.rows_from_groups' `unit`)."""
+        if self.loss_unit is None:
+            return grouping_rule(self.grouping).unit
+        return {"token": "row", "call": "row", "trajectory": "rollout", "example": "example"}[
+            self.loss_unit
+        ]
+
+    def _check_loss_unit(self) -> None:
+        """loss_unit replaces the variant's aggregation: only where that means "equal weight per
+        unit" (a sequence mean or a token mean), never silently for dr_grpo, bnpo or luspo."""
+        if self.loss_unit is None:
+            return
+        if self.loss_unit not in LOSS_UNITS:
+            raise _bad(self, "loss_unit", f"must be one of {LOSS_UNITS} or null")
+        own = VARIANTS[self.loss.variant].aggregation
+        if self.loss.aggregation is not None or own not in ("sequence_mean", "token_mean_global"):
+            raise ValueError(
+                f"MMGRPOConfig.loss_unit={self.loss_unit!r} sets the loss's aggregation; "
+                f"loss.variant={self.loss.variant!r} aggregates by "
+                f"{self.loss.aggregation or own!r}: leave loss_unit null, or use a variant "
+                "whose aggregation is a sequence or token mean (grpo, dapo, cispo, gspo, sapo, "
+                "vespo)"
+            )
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

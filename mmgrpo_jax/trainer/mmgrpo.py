@@ -568,7 +568,7 @@ class MMGRPO:
         rows = rows_from_groups(
             groups,
             advantages,
-            unit=rule.unit,
+            unit=cfg.row_unit,
             mask_truncated_completions=cfg.mask_truncated_completions,
         )
         engine = lm.stats.since(stats_before)  # this step's rollouts only

@@ -1,12 +1,22 @@
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mmgrpo_jax.program.trace import CallRecord
 from mmgrpo_jax.rl.advantages import advantages_for_groups
 from mmgrpo_jax.rl.batch import Row, pack_rows, rows_from_groups
-from mmgrpo_jax.rl.grouping import module_level_groups, trajectory_level_groups
+from mmgrpo_jax.rl.grouping import (
+    Group,
+    GroupMember,
+    module_level_groups,
+    trajectory_level_groups,
+)
+from mmgrpo_jax.rl.losses import LossConfig, policy_loss
 from mmgrpo_jax.rl.rollout import run_rollouts
+from mmgrpo_jax.trainer.config import MMGRPOConfig
 from programs import synthetic
 
 
@@ -170,3 +180,105 @@ def test_row_lengths_pad_to_multiples_of_64_up_to_512():
 
     assert [row_length_bucket(n) for n in (1, 17, 64, 65, 190, 512)] == [16, 32, 64, 128, 192, 512]
     assert [row_length_bucket(n) for n in (513, 6000)] == [1024, 6144]  # the sampler's buckets
+
+
+# ------------------------------------------------------- loss units (MMGRPOConfig.loss_unit)
+
+
+def _call(predictor, n_tokens, invocation=0):
+    return CallRecord(
+        predictor,
+        invocation,
+        (),
+        "",
+        (1, 2),
+        tuple(range(3, 3 + n_tokens)),
+        None,
+        "stop",
+        True,
+        None,
+        {},
+    )
+
+
+def _mass(groups, unit):
+    """Each row's share of the loss's gradient (|d loss / d log-prob| summed over its tokens) at
+    ratio 1 with advantage 1, under grpo with the rows' unit ids: what a unit weighs."""
+    row_unit = "row" if unit == "token" else unit  # token units: rows alone, a token mean
+    rows = rows_from_groups(groups, [np.ones(len(g.members)) for g in groups], unit=row_unit)
+    width = max(len(r.completion_ids) for r in rows)
+    mask = np.array([[t < len(r.completion_ids) for t in range(width)] for r in rows])
+    ids = np.array([r.unit for r in rows])
+    _, ids = np.unique(ids, return_inverse=True)  # renumbered, as pack_rows does
+    aggregation = "token_mean_global" if unit == "token" else "sequence_mean"
+    cfg = LossConfig("grpo", aggregation=aggregation)
+
+    def loss(logps):
+        ones = jnp.ones(len(rows))
+        return policy_loss(cfg, logps, logps, ones, jnp.asarray(mask), unit_ids=jnp.asarray(ids))[0]
+
+    grad = np.asarray(jax.grad(loss)(jnp.full(mask.shape, -1.0)))
+    return rows, -grad.sum(1)
+
+
+def _two_rollouts(first_calls, second_calls, example=0, first_rollout=0):
+    """Module-level groups of one example, two rollouts: one group per (module, invocation)."""
+    by_module = {}
+    for rollout, calls in enumerate((first_calls, second_calls), start=first_rollout):
+        for call in calls:
+            key = (call.predictor, call.invocation)
+            by_module.setdefault(key, []).append(GroupMember(rollout, 1.0, (call,)))
+    return [Group(example, m, k, tuple(members)) for (m, k), members in by_module.items()]
+
+
+def test_under_trajectory_units_splitting_a_trajectorys_tokens_over_calls_keeps_its_weight():
+    whole = _two_rollouts([_call("a", 4)], [_call("a", 2)])
+    split = _two_rollouts([_call("a", 2), _call("b", 2)], [_call("a", 2)])
+    for groups in (whole, split):
+        rows, mass = _mass(groups, "rollout")
+        first = [i for i, r in enumerate(rows) if r.unit == rows[0].unit]
+        np.testing.assert_allclose(mass[first].sum(), 0.5, rtol=1e-6)  # one of two trajectories
+    _, by_call = _mass(split, "row")  # call units: the split trajectory's 2 calls weigh 2/3
+    np.testing.assert_allclose(by_call.sum(), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(sorted(by_call), [1 / 3] * 3, rtol=1e-6)
+
+
+def test_under_example_units_the_group_size_does_not_change_an_examples_weight():
+    small = _two_rollouts([_call("a", 3)], [_call("a", 1)], example=0)  # G = 2
+    large = _two_rollouts([_call("a", 2)], [_call("a", 5)], example=1)
+    large += _two_rollouts([_call("a", 1)], [_call("a", 4)], example=1, first_rollout=2)  # G=4
+    for unit, want in [("example", [0.5, 0.5]), ("rollout", [2 / 6, 4 / 6])]:
+        rows, mass = _mass(small + large, unit)
+        first = [i for i in range(len(rows)) if i < 2]  # example 0's two rows come first
+        np.testing.assert_allclose([mass[first].sum(), mass[2:].sum()], want, rtol=1e-6)
+    _, by_token = _mass(small + large, "token")  # token units: every token alike
+    np.testing.assert_allclose(by_token.sum(), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("select_k", [None, 6])
+def test_trajectory_units_on_trajectory_groups_are_the_paper_objective_exactly(select_k):
+    """loss_unit="trajectory" on trajectory-level groups = the trajectory-level objective: the
+    same unit partition as a group member (repeats from select-K counted twice)."""
+    trajectories, _, _ = synthetic_groups(trajectory_level=True)
+    groups = trajectory_level_groups(trajectories, select_k=select_k, num_rollouts=4)
+    advantages = advantages_for_groups(groups)
+    members = rows_from_groups(groups, advantages, unit="trajectory")
+    rollouts = rows_from_groups(groups, advantages, unit="rollout")
+    assert [r.unit for r in members] == [r.unit for r in rollouts]
+    module_rows = rows_from_groups(*synthetic_groups(False)[1:], unit="rollout")
+    assert len({r.unit for r in module_rows}) == 8  # 2 examples x 4 rollouts, across modules
+
+
+def test_loss_unit_config_sets_the_aggregation_and_refuses_what_it_would_redefine():
+    for unit, aggregation in [("token", "token_mean_global"), ("call", "sequence_mean")]:
+        cfg = MMGRPOConfig(loss_unit=unit, loss=LossConfig("dapo"))
+        assert cfg.resolved_loss.aggregation_name == aggregation and cfg.row_unit == "row"
+    assert MMGRPOConfig(grouping="trajectory").row_unit == "trajectory"  # null: the rule's
+    assert MMGRPOConfig(grouping="module", loss_unit="trajectory").row_unit == "rollout"
+    assert MMGRPOConfig().resolved_loss.aggregation_name == "sequence_mean"  # grpo's own
+    with pytest.raises(ValueError, match="loss_unit must be one of"):
+        MMGRPOConfig(loss_unit="group")
+    with pytest.raises(ValueError, match=r"loss_unit='call' sets .*='dr_grpo' aggregates by"):
+        MMGRPOConfig(loss_unit="call", loss=LossConfig("dr_grpo"))
+    with pytest.raises(ValueError, match=r"LossConfig\.aggregation must be a registered"):
+        LossConfig("grpo", aggregation="median")

@@ -82,15 +82,25 @@ LEAN = MemoryConfig("blockwise", 16, True, logits_chunk=8, prefill_chunk=32, pac
 
 
 @pytest.mark.parametrize(
-    ("grouping", "memory"),
-    [("module", None), ("trajectory", None), ("module", LEAN)],
-    ids=["module", "trajectory", "module_lean_packed"],
+    ("grouping", "memory", "loss_unit"),
+    [
+        ("module", None, None),
+        ("trajectory", None, None),
+        ("module", LEAN, None),
+        # the paper's two objectives as two settings of loss_unit: the same recorded numbers
+        ("module", None, "call"),
+        ("trajectory", None, "trajectory"),
+    ],
+    ids=["module", "trajectory", "module_lean_packed", "call_units", "trajectory_units"],
 )
-def test_two_steps_train_only_lora_and_log_everything(tokenizer, tmp_path, grouping, memory):
+def test_two_steps_train_only_lora_and_log_everything(
+    tokenizer, tmp_path, grouping, memory, loss_unit
+):
     model = new_model(tokenizer)
     base_before = base_params(model)
     lora_before = jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))
-    cfg = config(tmp_path, grouping=grouping, loss=LossConfig("grpo", beta=0.04))
+    loss = LossConfig("grpo", beta=0.04)
+    cfg = config(tmp_path, grouping=grouping, loss=loss, loss_unit=loss_unit)
     if memory is not None:
         cfg = dataclasses.replace(cfg, memory=memory)
     model, _ = run(tokenizer, cfg, model)
