@@ -188,21 +188,28 @@ def step_metrics(
     sampled = sum(len(c.completion_ids or ()) for t in trajectories for c in t.calls)
     metrics["rollout_tokens_per_s"] = sampled / max(seconds["rollout"], 1e-9)
     metrics["groups"] = float(len(groups))
-    per_module: Counter[str] = Counter()
-    flat: Counter[str] = Counter()
+    metrics.update(group_diagnostics(groups, advantages))
     lengths: dict[str, list[int]] = {}
-    for group, adv in zip(groups, advantages, strict=True):
-        name = group.module or "trajectory"
-        per_module[name] += 1
-        flat[name] += int(not np.any(adv))
+    grouped: set[int] = set()
+    for group in groups:
         for member in group.members:
             for call in member.calls:
-                lengths.setdefault(call.predictor, []).append(len(call.completion_ids or ()))
-    for name, count in per_module.items():
-        metrics[f"groups/{name}"] = float(count)
-        metrics[f"zero_variance_fraction/{name}"] = flat[name] / count
+                if id(call) not in grouped:
+                    lengths.setdefault(call.predictor, []).append(len(call.completion_ids or ()))
+                grouped.add(id(call))
     for name, values in lengths.items():
         metrics[f"completion_length/{name}"] = float(np.mean(values))
+    # calls that gave no training row, and why: in no group (the alignment dropped them, or
+    # their trajectory failed), or nothing generated
+    ungrouped: Counter[str] = Counter()
+    empty: Counter[str] = Counter()
+    for t in trajectories:
+        for call in t.calls:
+            ungrouped[call.predictor] += id(call) not in grouped
+            empty[call.predictor] += id(call) in grouped and not call.completion_ids
+    for name in sorted(ungrouped):
+        metrics[f"calls_ungrouped/{name}"] = float(ungrouped[name])
+        metrics[f"calls_empty/{name}"] = float(empty[name])
     metrics.update({f"time/{k}": v for k, v in seconds.items()})
     if update:
         metrics.update(update)
@@ -216,6 +223,38 @@ def step_metrics(
     # programs' (and their tools') time not hidden behind sampling
     metrics["time/sampling"] = engine.sample_s
     metrics["time/program"] = max(seconds["rollout"] - engine.sample_s, 0.0)
+    return metrics
+
+
+def group_diagnostics(
+    groups: Sequence[Group], advantages: Sequence[np.ndarray]
+) -> dict[str, float]:
+    """Per module (and per (module, invocation) for a module called several times in a
+    trajectory; "trajectory" for trajectory-level groups): how many groups, the fraction with no
+    reward spread (no gradient), the mean number of distinct members (below G when fill or
+    padding repeated some), and the advantages' mean and spread."""
+    by_key: dict[str, list[tuple[Group, np.ndarray]]] = {}
+    invocations: dict[str, set[int]] = {}
+    for group, adv in zip(groups, advantages, strict=True):
+        name = group.module or "trajectory"
+        by_key.setdefault(name, []).append((group, adv))
+        if group.invocation is not None:
+            invocations.setdefault(name, set()).add(group.invocation)
+            by_key.setdefault(f"{name}#{group.invocation}", []).append((group, adv))
+    metrics = {}
+    for key, items in by_key.items():
+        module, _, invocation = key.partition("#")
+        if invocation and len(invocations.get(module, ())) < 2:
+            continue  # one invocation: the module's own numbers say it all
+        values = np.concatenate([adv for _, adv in items])
+        distinct = [len({m.rollout_index for m in g.members}) for g, _ in items]
+        metrics[f"groups/{key}"] = float(len(items))
+        metrics[f"zero_variance_fraction/{key}"] = float(
+            np.mean([not np.any(adv) for _, adv in items])
+        )
+        metrics[f"distinct_members/{key}"] = float(np.mean(distinct))
+        metrics[f"advantage_mean/{key}"] = float(np.mean(values))
+        metrics[f"advantage_std/{key}"] = float(np.std(values))
     return metrics
 
 

@@ -7,10 +7,12 @@ import pytest
 from flax import nnx
 
 from mmgrpo_jax.program import Example, Module, Predict
+from mmgrpo_jax.program.trace import CallRecord
+from mmgrpo_jax.rl.grouping import Group, GroupMember
 from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.testing import tiny_decoder
 from mmgrpo_jax.trainer.config import MemoryConfig, MMGRPOConfig, OptimConfig, SamplerConfig
-from mmgrpo_jax.trainer.mmgrpo import MMGRPO, examples_for_step
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, examples_for_step, group_diagnostics
 from models.lora import LoRAConfig
 
 
@@ -148,6 +150,9 @@ def test_two_steps_train_only_lora_and_log_everything(
         assert record["kl_mean"] > 0 or record is steps[0]
     name = "trajectory" if grouping == "trajectory" else "draft"
     assert f"groups/{name}" in steps[0]
+    for key in ("distinct_members", "advantage_mean", "advantage_std", "zero_variance_fraction"):
+        assert np.isfinite(steps[0][f"{key}/{name}"]), key
+    assert steps[0]["calls_ungrouped/draft"] == 0 and steps[0]["calls_empty/draft"] >= 0
     assert "eval_reward" in lines[-1]
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -273,3 +278,24 @@ def test_a_fresh_run_refuses_a_run_dir_that_holds_checkpoints(tokenizer, tmp_pat
     run(tokenizer, config(tmp_path, num_steps=1, eval_every=100))
     with pytest.raises(ValueError, match="already holds a run's checkpoints"):
         run(tokenizer, config(tmp_path, num_steps=1, eval_every=100))
+
+
+def test_group_diagnostics_per_module_and_invocation():
+    def member(rollout, predictor="a", k=0):
+        call = CallRecord(predictor, k, (), "", (1,), (2, 3), None, "stop", True, None, {})
+        return GroupMember(rollout, float(rollout), (call,))
+
+    repeated = member(0)
+    groups = [
+        Group(0, "a", 0, (repeated, member(1), repeated)),  # padded: 2 distinct of 3
+        Group(0, "a", 1, (member(0, k=1), member(1, k=1), member(2, k=1))),
+        Group(0, "b", 0, (member(0, "b"), member(1, "b"), member(2, "b"))),
+    ]
+    advantages = [np.array([1.0, -1.0, 1.0]), np.zeros(3), np.array([-1.0, 0.0, 1.0])]
+    got = group_diagnostics(groups, advantages)
+    assert got["groups/a"] == 2 and got["groups/a#0"] == 1 and got["groups/a#1"] == 1
+    assert "groups/b#0" not in got  # b is called once a trajectory: its own numbers suffice
+    assert got["zero_variance_fraction/a"] == 0.5 and got["zero_variance_fraction/a#1"] == 1.0
+    assert got["distinct_members/a#0"] == 2 and got["distinct_members/a"] == 2.5
+    assert got["advantage_mean/a#0"] == pytest.approx(1 / 3)
+    assert got["advantage_std/b"] == pytest.approx(np.std([-1.0, 0.0, 1.0]))
