@@ -90,6 +90,9 @@ class TokenInputs:
     advantages: jax.Array  # [B, 1] constant
     mask: jax.Array  # [B, T] bool, completion tokens only
     batch: Any = None  # the micro-batch (rl.batch.Batch fields for one micro-batch), if any
+    # log of the sampler-mismatch weight (LossConfig.sampler_correction), [B, T] or [B, 1];
+    # None when off. policy_loss applies it to every variant but vespo, which folds it in itself
+    is_log_weight: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +173,15 @@ class LossConfig:
     vespo_lambda_neg: float = 2.0
     # a registered aggregation in place of the variant's own; MMGRPOConfig.loss_unit sets it
     aggregation: str | None = None
+    # sampler-mismatch correction (TRL's vllm_importance_sampling_mode): token_truncate |
+    # token_mask | sequence_truncate | sequence_mask; null: off. The weight exp(l_old - l_sampler)
+    # (per token, or its sum per sequence) is clamped to, or zeroed outside, [min, max]
+    sampler_correction: str | None = None
+    sampler_correction_min: float | None = None  # null: no lower bound
+    sampler_correction_max: float | None = 3.0  # null: no upper bound
+    # the KL term weighted by the importance ratio (TRL's use_bias_correction_kl, on by default
+    # there): the unbiased reverse-KL gradient; changes the gradient even at ratio 1
+    kl_bias_correction: bool = False
     # DeepSeek-V3.2's off-policy sequence mask: a row with A < 0 whose mean (sampler - trainer)
     # log-prob gap is above this drops out of the loss; null: off
     off_policy_mask_threshold: float | None = None
@@ -211,6 +223,7 @@ class LossConfig:
         for name in ("sapo_tau_pos", "sapo_tau_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"LossConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        self._check_sampler_correction()
         threshold = self.off_policy_mask_threshold
         if threshold is not None and not math.isfinite(threshold):
             raise ValueError(
@@ -222,6 +235,53 @@ class LossConfig:
                 "LossConfig.max_completion_length must be a positive int or null, got "
                 f"{self.max_completion_length!r}"
             )
+
+    def _check_sampler_correction(self) -> None:
+        mode = self.sampler_correction
+        if mode is None:
+            return
+        if mode not in SAMPLER_CORRECTIONS:
+            raise ValueError(
+                f"LossConfig.sampler_correction must be one of {SAMPLER_CORRECTIONS} or null, "
+                f"got {mode!r}"
+            )
+        low, high = self.sampler_correction_min, self.sampler_correction_max
+        if low is not None and not low >= 0:
+            raise ValueError(f"LossConfig.sampler_correction_min must be >= 0, got {low!r}")
+        if high is not None and not (high > 0 and (low is None or high > low)):
+            raise ValueError(
+                f"LossConfig.sampler_correction_max must be > 0 and > sampler_correction_min, "
+                f"got {high!r}"
+            )
+        if self.variant == "vespo" and mode.startswith("sequence"):
+            raise ValueError(
+                f"LossConfig.sampler_correction={mode!r} with vespo: vespo folds a per-token "
+                "weight into its sequence weight (as TRL); use token_truncate or token_mask"
+            )
+
+
+SAMPLER_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def sampler_log_weight(
+    cfg: LossConfig,
+    old_logps: jax.Array,  # [B, T] the trainer's, before the step's first update
+    sampler_logps: jax.Array,  # [B, T] what the tokens were sampled with
+    mask: jax.Array,  # [B, T]
+) -> jax.Array:
+    """log of TRL's sampler-mismatch weight: log r = l_old - l_sampler per token ([B, T]), or
+    its sum per sequence ([B, 1]), clamped to (truncate) or -inf outside (mask) [min, max]. A
+    token the sampler could not score (non-finite) counts 0, so r = 1 there."""
+    diff = jnp.where(mask, old_logps - sampler_logps, 0.0)
+    diff = jnp.where(jnp.isfinite(diff), diff, 0.0)
+    mode = cfg.sampler_correction
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdims=True)
+    low = -jnp.inf if cfg.sampler_correction_min is None else jnp.log(cfg.sampler_correction_min)
+    high = jnp.inf if cfg.sampler_correction_max is None else jnp.log(cfg.sampler_correction_max)
+    if mode.endswith("truncate"):
+        return jnp.clip(diff, low, high)
+    return jnp.where((diff < low) | (diff > high), -jnp.inf, diff)
 
 
 def _ppo_clip(cfg: LossConfig, ratio: jax.Array, advantages: jax.Array) -> TokenTerms:
@@ -269,16 +329,19 @@ def _vespo_terms(cfg: LossConfig, x: TokenInputs) -> TokenTerms:
     """VESPO: REINFORCE weighted by a gamma function of the sequence ratio, phi(w) = exp(lam +
     k log w - lam w) (phi(1) = 1), with log w the *sum* of the clamped token log-ratios."""
     log_ratio = jnp.where(x.mask, jnp.clip(x.log_ratio, -20.0, 20.0), 0.0)
-    log_w = jnp.clip(log_ratio.sum(-1, keepdims=True), math.log(1e-8), 20.0)  # [B, 1]
+    log_w = log_ratio.sum(-1, keepdims=True)
+    if x.is_log_weight is not None:  # TRL: the token weights' clamped logs join the sum
+        log_is = jnp.clip(x.is_log_weight, math.log(1e-8), 20.0)
+        log_w = log_w + jnp.where(x.mask, log_is, 0.0).sum(-1, keepdims=True)
+    log_w = jnp.clip(log_w, math.log(1e-8), 20.0)  # [B, 1]
     positive = x.advantages >= 0
     k = jnp.where(positive, cfg.vespo_k_pos, cfg.vespo_k_neg)
     lam = jnp.where(positive, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
     phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
     phi = jax.lax.stop_gradient(jnp.where(jnp.isfinite(phi), phi, 0.0))
     loss = -phi * x.advantages * x.logps
-    ratio = jnp.exp(log_w) * jnp.ones_like(x.logps)
     none = jnp.zeros(x.logps.shape, bool)
-    return TokenTerms(loss, ratio, none, none)
+    return TokenTerms(loss, jnp.exp(x.log_ratio), none, none)  # the token ratio, as TRL's
 
 
 register_loss("grpo", _clipped_terms, aggregation="sequence_mean", uses_delta=True)
@@ -363,19 +426,31 @@ def policy_loss(
     log_ratio = jnp.where(mask, logps - old_logps, 0.0)
     adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))[:, None]  # [B, 1]
 
-    terms = variant.token_terms(cfg, TokenInputs(logps, old_logps, log_ratio, adv, mask, batch))
+    behaviour = old_logps
+    if sampler_logps is not None:
+        behaviour = jax.lax.stop_gradient(jnp.where(mask, sampler_logps.astype(jnp.float32), 0.0))
+    is_log = None
+    if cfg.sampler_correction is not None:
+        is_log = sampler_log_weight(cfg, old_logps, behaviour, mask)
+    inputs = TokenInputs(logps, old_logps, log_ratio, adv, mask, batch, is_log)
+    terms = variant.token_terms(cfg, inputs)
     _check_terms(cfg.variant, terms, mask.shape)
     per_token = terms.loss
     kept = jnp.ones_like(adv, bool)
     if cfg.off_policy_mask_threshold is not None:
-        behaviour = old_logps if sampler_logps is None else sampler_logps.astype(jnp.float32)
         kept = off_policy_keep(adv, logps, behaviour, mask, cfg.off_policy_mask_threshold)
         per_token = jnp.where(kept, per_token, 0.0)  # before the KL term, as TRL
+    is_weight = jnp.ones_like(per_token)
+    if is_log is not None:
+        is_weight = jnp.broadcast_to(jnp.exp(is_log), per_token.shape)
+        if cfg.variant != "vespo":  # vespo folded it into its sequence weight
+            per_token = per_token * is_weight
     kl = jnp.zeros_like(per_token)
     if ref_logps is not None:
         ref = jax.lax.stop_gradient(jnp.where(mask, ref_logps.astype(jnp.float32), 0.0))
         kl = jnp.exp(ref - logps) - (ref - logps) - 1.0  # k3 estimator
-        per_token = per_token + cfg.beta * kl
+        weighted_kl = kl * terms.ratio if cfg.kl_bias_correction else kl
+        per_token = per_token + cfg.beta * weighted_kl
     per_token = jnp.where(mask, per_token, 0.0)
 
     row_sum, row_tokens = per_token.sum(-1), mask.sum(-1).astype(jnp.float32)  # [B]
@@ -404,5 +479,8 @@ def policy_loss(
         "tokens": row_tokens.sum(),
         # completion tokens in rows the off-policy mask dropped
         "off_policy_masked_fraction": _masked_mean(jnp.broadcast_to(~kept, mask.shape), mask),
+        # the sampler-mismatch weight over completion tokens, and the share it zeroed
+        "sampler_weight_mean": _masked_mean(is_weight, mask),
+        "sampler_weight_zero_fraction": _masked_mean((is_weight == 0).astype(jnp.float32), mask),
     }
     return loss, metrics

@@ -37,7 +37,7 @@ def reference(cfg, logps, old, adv, mask, ref=None, tids=None, num_sequences=Non
         mask = mask & (np.asarray(tids) >= 0)[:, None]  # a padding row counts nowhere
     rows, cols = mask.shape
     per = np.zeros((rows, cols))
-    ratios, low, high, kls, dropped = [], [], [], [], []
+    ratios, low, high, kls, dropped, is_weights = [], [], [], [], [], []
     for i in range(rows):
         n_i = int(mask[i].sum())
         seq = sum(logps[i, t] - old[i, t] for t in range(cols) if mask[i, t])
@@ -45,9 +45,23 @@ def reference(cfg, logps, old, adv, mask, ref=None, tids=None, num_sequences=Non
         # vespo: log w is the clamped *sum* of the clamped token log-ratios
         clamped = sum(min(max(logps[i, t] - old[i, t], -20), 20) for t in range(cols) if mask[i, t])
         log_w = min(max(clamped, math.log(1e-8)), 20.0)
+        behaviour = old if sampler is None else sampler
+        # TRL's sampler-mismatch weight: exp(l_old - l_sampler) per token, or of the row's sum
+        diffs = [old[i, t] - behaviour[i, t] if mask[i, t] else 0.0 for t in range(cols)]
+        mode = cfg.sampler_correction or ""
+        if mode.startswith("sequence"):
+            diffs = [sum(diffs)] * cols
+        weights = [math.exp(d) for d in diffs]
+        w_low = cfg.sampler_correction_min or 0.0
+        w_high = cfg.sampler_correction_max if cfg.sampler_correction_max is not None else math.inf
+        if mode.endswith("truncate"):
+            weights = [min(max(w, w_low), w_high) for w in weights]
+        elif mode.endswith("mask"):
+            weights = [w if w_low <= w <= w_high else 0.0 for w in weights]
+        else:
+            weights = [1.0] * cols  # no correction
         keep = True
         if cfg.off_policy_mask_threshold is not None:  # TRL's get_off_policy_mask
-            behaviour = old if sampler is None else sampler
             gaps = [behaviour[i, t] - logps[i, t] for t in range(cols) if mask[i, t]]
             gaps = [g if math.isfinite(g) else 0.0 for g in gaps]
             keep = adv[i] >= 0 or sum(gaps) / max(n_i, 1) <= cfg.off_policy_mask_threshold
@@ -78,8 +92,15 @@ def reference(cfg, logps, old, adv, mask, ref=None, tids=None, num_sequences=Non
                     if a >= 0
                     else (cfg.vespo_k_neg, cfg.vespo_lambda_neg)
                 )
-                phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
-                rho = math.exp(log_w)
+                w_log = log_w
+                if mode:  # TRL: the token weights' clamped logs join the summed log-ratio
+                    clamped_is = sum(
+                        min(max(math.log(w) if w > 0 else -math.inf, math.log(1e-8)), 20)
+                        for tt, w in enumerate(weights)
+                        if mask[i, tt]
+                    )
+                    w_log = min(max(clamped + clamped_is, math.log(1e-8)), 20.0)
+                phi = math.exp(lam + k * w_log - lam * math.exp(w_log))
                 val = -phi * a * lp
                 low.append(False)
                 high.append(False)
@@ -89,12 +110,15 @@ def reference(cfg, logps, old, adv, mask, ref=None, tids=None, num_sequences=Non
                 high.append(rho > eh and a > 0)
             if not keep:
                 val = 0.0  # the off-policy mask acts before the KL term
+            if mode and cfg.variant != "vespo":
+                val *= weights[t]
             dropped.append(not keep)
+            is_weights.append(weights[t])
             kl = 0.0
             if ref is not None:
                 d = ref[i, t] - lp
                 kl = math.exp(d) - d - 1
-                val += cfg.beta * kl
+                val += cfg.beta * kl * (rho if cfg.kl_bias_correction else 1.0)
             ratios.append(rho)
             kls.append(kl)
             per[i, t] = val
@@ -123,6 +147,8 @@ def reference(cfg, logps, old, adv, mask, ref=None, tids=None, num_sequences=Non
         "kl_mean": np.mean(kls) if kls else 0.0,
         "tokens": float(mask.sum()),
         "off_policy_masked_fraction": np.mean(dropped) if dropped else 0.0,
+        "sampler_weight_mean": np.mean(is_weights) if is_weights else 0.0,
+        "sampler_weight_zero_fraction": np.mean(np.equal(is_weights, 0)) if is_weights else 0.0,
     }
     return loss, metrics
 
@@ -174,6 +200,13 @@ CASES = [
     config("vespo", vespo_k_pos=1.0, vespo_lambda_neg=0.5, beta=0.04),
     config("grpo", off_policy_mask_threshold=0.0),
     config("dapo", off_policy_mask_threshold=0.02, beta=0.04),
+    config("grpo", sampler_correction="token_truncate", sampler_correction_min=0.95),
+    config("dapo", sampler_correction="token_mask", sampler_correction_max=1.05),
+    config("gspo", sampler_correction="sequence_truncate", sampler_correction_max=1.1),
+    config("cispo", sampler_correction="sequence_mask", sampler_correction_max=1.2, beta=0.1),
+    config("vespo", sampler_correction="token_mask", sampler_correction_max=1.05),
+    config("grpo", beta=0.1, kl_bias_correction=True),
+    config("gspo", beta=0.1, kl_bias_correction=True),
 ]
 TRAJECTORIES = np.array([0, 0, 3, 1, 3, -1])  # rows 0,1 one trajectory; row 5 padding
 

@@ -317,3 +317,23 @@ def test_packed_rows_give_the_unpacked_step(cfg, trajectory_level):
     jax.tree.map(
         lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), got[0], want[0]
     )
+
+
+def test_old_logprobs_carry_no_lora_dropout_unlike_trls():
+    """With num_iterations > 1 the old log-probs are the policy's without dropout (a function of
+    the weights alone), where TRL computes them in train mode (dropout on). So under dropout the
+    first iteration's ratio is not 1 here either: it measures the dropout's effect, not drift."""
+    rows = make_rows(seed=8)
+    model = fresh_model(dropout=0.5)
+    optimizer = optax.adam(5e-2)
+    graphdef, state, frozen = split_for_training(model, optimizer)
+    batch = pack_rows(rows, micro_batch_size=4)
+    old = make_logprob_fn(graphdef, TEMPERATURE)(state.trainable, frozen, batch)
+    without_lora_dropout = make_logprob_fn(
+        *split_for_training(fresh_model(), optimizer)[:1], TEMPERATURE
+    )
+    same_weights = without_lora_dropout(state.trainable, frozen, batch)
+    np.testing.assert_array_equal(np.asarray(old), np.asarray(same_weights))
+    step = make_train_step(graphdef, optimizer, LossConfig("grpo"), TEMPERATURE)
+    _, first = step(state, frozen, batch.replace(old_logps=old))
+    assert abs(float(first["ratio_mean"]) - 1.0) > 1e-4  # dropout moved the current log-probs
