@@ -163,10 +163,21 @@ class Predict(Module):
             )
         messages = adapter.render(self.signature, inputs, self.demos, self.bare)
         trace = context.trace
+        replayed = None
         if trace is not None:
             name = trace.name_of(self)
             invocation = trace.next_invocation(name)
-        output = lm(messages, **self.sampling)
+            replayed = trace.replay.get((name, invocation))
+        if replayed is not None:
+            if tuple(dict(m) for m in messages) != replayed.messages:
+                raise RuntimeError(
+                    f"branch replay diverged at {name}[{invocation}]: the program asked "
+                    "something else than in the rollout it replays (is it deterministic given "
+                    "its LM's replies?)"
+                )
+            output = replayed.output
+        else:
+            output = lm(messages, **self.sampling)
         if not isinstance(output, LMOutput):
             raise TypeError(f"the LM must return LMOutput, got {type(output).__name__}")
         error: adapter.ParseError | None = None
@@ -184,6 +195,7 @@ class Predict(Module):
                 outputs,
                 None if error is None else str(error),
                 inputs,
+                replayed=replayed is not None,
             )
             trace.record(record)
         if error is not None:

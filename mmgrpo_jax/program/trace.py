@@ -11,7 +11,7 @@ import contextlib
 import contextvars
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from mmgrpo_jax.program.lm import LM, LMOutput
@@ -37,6 +37,19 @@ class CallRecord:
     parse_error: str | None
     outputs: dict[str, Any] | None
     inputs: dict[str, Any] | None = None  # the field values rendered into `messages`
+    # a copy of another rollout's call, not sampled here (branch rollouts' shared prefix)
+    replayed: bool = False
+
+    @property
+    def output(self) -> LMOutput:
+        """What the LM returned for this call."""
+        return LMOutput(
+            self.completion,
+            self.prompt_ids,
+            self.completion_ids,
+            self.logprobs,
+            self.finish_reason,  # type: ignore[arg-type]
+        )
 
     @classmethod
     def from_output(
@@ -48,6 +61,7 @@ class CallRecord:
         outputs: dict[str, Any] | None,
         parse_error: str | None,
         inputs: dict[str, Any] | None = None,
+        replayed: bool = False,
     ) -> CallRecord:
         return cls(
             predictor=predictor,
@@ -62,6 +76,7 @@ class CallRecord:
             parse_error=parse_error,
             outputs=outputs,
             inputs=None if inputs is None else dict(inputs),
+            replayed=replayed,
         )
 
 
@@ -73,8 +88,11 @@ class Trace:
         names: dict[int, str],
         key: tuple[int, ...] | None = None,
         key_path: tuple[int, ...] | None = None,
+        replay: Sequence[CallRecord] = (),
     ) -> None:
         self._names = names
+        # calls answered from these records instead of the LM, by (predictor, invocation)
+        self.replay = {(c.predictor, c.invocation): c for c in replay}
         self.key = key  # (example, rollout) in a rollout: lets a batching LM order requests
         # (step, example, rollout) in a training rollout: its calls' sampling keys derive from it
         self.key_path = key_path
@@ -147,10 +165,13 @@ def record_trace(
     lm: LM | None = None,
     key: tuple[int, ...] | None = None,
     key_path: tuple[int, ...] | None = None,
+    replay: Sequence[CallRecord] = (),
 ) -> Iterator[Trace]:
-    """Record every call of `program`'s predictors made in this context into a fresh Trace."""
+    """Record every call of `program`'s predictors made in this context into a fresh Trace.
+    A call matching a `replay` record's (predictor, invocation) gets that record's output
+    instead of the LM's, provided its prompt is the record's (branch rollouts)."""
     names = {id(predictor): name for name, predictor in program.named_predictors()}
-    trace = Trace(names, key, key_path)
+    trace = Trace(names, key, key_path, replay)
     outer = _CONTEXT.get()
     token = _CONTEXT.set(RunContext(trace=trace, lm=lm if lm is not None else outer.lm))
     try:

@@ -75,9 +75,14 @@ class GroupingSettings:
     align: str = "truncate"
     select_k: int | None = None
     seed: int = 0  # fresh per step (fill_random draws)
+    branch_module: str | None = None  # grouping=branch: the predictor the rollouts branch at
+    branch_invocation: int = 0  # and which of its calls in a trajectory
 
 
 GroupingFn = Callable[[Sequence[Trajectory], GroupingSettings], list[Group]]
+# how a rule's step rollouts are made, when not G independent runs of each example:
+# (program, examples, metric, settings, **run_rollouts' keyword arguments) -> trajectories
+RolloutFn = Callable[..., list[Trajectory]]
 Unit = Literal["row", "trajectory"]
 UNITS: tuple[str, ...] = get_args(Unit)
 
@@ -86,21 +91,28 @@ UNITS: tuple[str, ...] = get_args(Unit)
 class GroupingRule:
     group: GroupingFn
     unit: Unit  # what the loss's sequence-level aggregations normalise by
+    rollouts: RolloutFn | None = None  # None: rl.rollout.run_rollouts
 
 
 GROUPINGS: Registry[GroupingRule] = Registry("grouping rule", "mmgrpo_jax.register_grouping")
 
 
-def register_grouping(name: str, group: GroupingFn, *, unit: Unit = "row") -> None:
+def register_grouping(
+    name: str, group: GroupingFn, *, unit: Unit = "row", rollouts: RolloutFn | None = None
+) -> None:
     """Make `MMGRPOConfig(grouping=name)` form its groups with `group(trajectories, settings)`.
 
     `unit="row"`: every (member, call) row is one sequence of the loss; `unit="trajectory"`: all
     the rows of one group member are one sequence (normalised by their total tokens), as the
     trajectory-level objective does with whole trajectories (a member may hold any calls).
+    `rollouts` makes the step's trajectories when the rule needs them made its own way (branch
+    rollouts); by default they are G independent runs of each example.
     """
     if unit not in UNITS:
         raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
-    GROUPINGS.add(name, group, GroupingRule(group, unit))
+    if rollouts is not None and not callable(rollouts):
+        raise TypeError(f"rollouts of grouping {name!r} must be callable, got {rollouts!r}")
+    GROUPINGS.add(name, group, GroupingRule(group, unit, rollouts))
 
 
 def grouping_rule(name: str, field: str = "grouping") -> GroupingRule:

@@ -8,6 +8,7 @@ counted in `summarize` and logged. Nothing is dropped: every (example, rollout) 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import numbers
@@ -23,7 +24,7 @@ from mmgrpo_jax.program.adapter import ParseError
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM, BatchingLM
 from mmgrpo_jax.program.module import Module
-from mmgrpo_jax.program.trace import record_trace
+from mmgrpo_jax.program.trace import CallRecord, record_trace
 from mmgrpo_jax.rl.types import Metric, Status, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -71,11 +72,13 @@ def run_trajectory(
     failure_score: float = 0.0,
     format_failure_score: float = -1.0,
     key_prefix: tuple[int, ...] | None = None,
+    replay: Sequence[CallRecord] = (),
 ) -> Trajectory:
     """Run and score one trajectory; every failure becomes a status, never an exception.
 
     With `key_prefix` (the training step), every call's sampling key derives from
-    (*key_prefix, example_index, rollout_index, call index) (see `Request.key_path`).
+    (*key_prefix, example_index, rollout_index, call index) (see `Request.key_path`). Calls
+    matching a `replay` record are answered from it (see `record_trace`).
     """
 
     def ended(status: Status, reward: float, error: str | None = None, prediction: Any = None):
@@ -85,7 +88,7 @@ def run_trajectory(
 
     key = (example_index, rollout_index)
     key_path = None if key_prefix is None else (*key_prefix, *key)
-    with record_trace(program, lm=lm, key=key, key_path=key_path) as trace:
+    with record_trace(program, lm=lm, key=key, key_path=key_path, replay=replay) as trace:
         try:
             prediction = program(**example.inputs())
         except ParseError as err:
@@ -129,11 +132,11 @@ def run_rollouts(
     if num_rollouts < 1:
         raise ValueError(f"num_rollouts must be >= 1, got {num_rollouts}")
     jobs = [
-        (program, example, first_example + e, r)
+        RolloutJob(program, example, first_example + e, r)
         for e, example in enumerate(examples)
         for r in range(num_rollouts)
     ]
-    return _run_jobs(
+    return run_jobs(
         jobs,
         metric,
         lm=lm,
@@ -160,8 +163,8 @@ def run_pairs(
     example_index) is pair i's. Different programs (prompt candidates, teachers) share the LM's
     batches this way instead of taking turns. `on_result` sees each trajectory as it finishes
     (in the calling thread), so a caller keeps what finished if the run is interrupted."""
-    jobs = [(program, example, i, 0) for i, (program, example) in enumerate(pairs)]
-    return _run_jobs(
+    jobs = [RolloutJob(program, example, i, 0) for i, (program, example) in enumerate(pairs)]
+    return run_jobs(
         jobs,
         metric,
         lm=lm,
@@ -173,8 +176,20 @@ def run_pairs(
     )
 
 
-def _run_jobs(
-    jobs: list[tuple[Module, Example, int, int]],
+@dataclasses.dataclass(frozen=True)
+class RolloutJob:
+    """One trajectory to run: which program on which example, its indices, any calls to
+    replay."""
+
+    program: Module
+    example: Example
+    example_index: int
+    rollout_index: int
+    replay: tuple[CallRecord, ...] = ()
+
+
+def run_jobs(
+    jobs: Sequence[RolloutJob],
     metric: Metric,
     *,
     lm: LM | None,
@@ -185,9 +200,10 @@ def _run_jobs(
     on_result: Callable[[Trajectory], None] | None = None,
     key_prefix: tuple[int, ...] | None = None,
 ) -> list[Trajectory]:
-    for program, example, e, _ in jobs:
+    """The jobs' trajectories, in job order, on one thread pool (see `run_rollouts`)."""
+    for spec in jobs:
         # fail here, not in a worker thread, on a row without input keys or the program's
-        program.check_inputs(example.inputs(), f"example {e}")
+        spec.program.check_inputs(spec.example.inputs(), f"example {spec.example_index}")
     if not jobs:
         return []
     workers = max_workers if max_workers is not None else min(len(jobs), 256)
@@ -201,19 +217,19 @@ def _run_jobs(
     for _ in range(registered[0]):
         lm.open_client()
 
-    def job(spec: tuple[Module, Example, int, int]) -> Trajectory:
-        program, example, e, r = spec
+    def job(spec: RolloutJob) -> Trajectory:
         try:
             return run_trajectory(
-                program,
-                example,
+                spec.program,
+                spec.example,
                 metric,
-                example_index=e,
-                rollout_index=r,
+                example_index=spec.example_index,
+                rollout_index=spec.rollout_index,
                 lm=lm,
                 failure_score=failure_score,
                 format_failure_score=format_failure_score,
                 key_prefix=key_prefix,
+                replay=spec.replay,
             )
         finally:
             with lock:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import optax
 from flax import nnx
 
+import mmgrpo_jax.rl.branch  # noqa: F401 (registers grouping="branch")
 from mmgrpo_jax.errors import bad_field as _bad
 from mmgrpo_jax.errors import check_field_types
 from mmgrpo_jax.parallel import DistributedConfig, ParallelConfig
@@ -161,6 +162,10 @@ class MMGRPOConfig:
     align: str = "truncate"
     num_rollouts: int = 8  # G: rollouts per example, and every group's size
     select_k: int | None = None  # keep K members spread over the rewards instead of G
+    # grouping=branch: the predictor (named as named_predictors() names it) whose call the G
+    # rollouts of an example branch at, sharing every call before it, and which of its calls
+    branch_module: str | None = None
+    branch_invocation: int = 0
     examples_per_step: int = 4
     num_steps: int = 100
     num_iterations: int = 1  # updates per batch of rollouts (> 1: the ratios move)
@@ -207,6 +212,10 @@ class MMGRPOConfig:
             raise _bad(self, "num_rollouts", "must be >= 2 (a group of one has no advantage)")
         if self.select_k is not None and self.select_k < 2:
             raise _bad(self, "select_k", "must be >= 2 or null")
+        if (self.grouping == "branch") != (self.branch_module is not None):
+            raise _bad(self, "branch_module", "names the branch call, with grouping=branch only")
+        if self.branch_invocation < 0:
+            raise _bad(self, "branch_invocation", "must be >= 0")
         at_least_one = (
             "examples_per_step",
             "num_steps",

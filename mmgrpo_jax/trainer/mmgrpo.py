@@ -188,6 +188,8 @@ def step_metrics(
     sampled = sum(len(c.completion_ids or ()) for t in trajectories for c in t.calls)
     metrics["rollout_tokens_per_s"] = sampled / max(seconds["rollout"], 1e-9)
     metrics["groups"] = float(len(groups))
+    # calls answered from another rollout's record, not sampled (branch rollouts' shared prefix)
+    metrics["calls_replayed"] = float(sum(c.replayed for t in trajectories for c in t.calls))
     metrics.update(group_diagnostics(groups, advantages))
     lengths: dict[str, list[int]] = {}
     grouped: set[int] = set()
@@ -587,10 +589,15 @@ class MMGRPO:
             for i in examples_for_step(len(trainset), cfg.examples_per_step, step, cfg.seed)
         ]
         mine = parallel.share(chosen)  # this process's examples of the step (all, alone)
-        trajectories = run_rollouts(
-            program,
-            chosen[mine.start : mine.stop],
-            self.metric,
+        settings = GroupingSettings(
+            cfg.num_rollouts,
+            cfg.align,
+            cfg.select_k,
+            cfg.seed + step,
+            cfg.branch_module,
+            cfg.branch_invocation,
+        )
+        run = dict(
             num_rollouts=cfg.num_rollouts,
             lm=lm,
             failure_score=cfg.failure_score,
@@ -598,10 +605,16 @@ class MMGRPO:
             first_example=mine.start,
             key_prefix=(step,),  # samples keyed by (seed, step, example, rollout, call)
         )
+        mine_examples = chosen[mine.start : mine.stop]
+        if rule.rollouts is None:
+            trajectories = run_rollouts(program, mine_examples, self.metric, **run)
+        else:  # the rule makes its own (branch rollouts)
+            trajectories = rule.rollouts(
+                program, mine_examples, self.metric, settings=settings, **run
+            )
         seconds = {"rollout": time.perf_counter() - start}
         # every process groups and trains on the whole step's trajectories
         trajectories = parallel.gather_lists(trajectories)
-        settings = GroupingSettings(cfg.num_rollouts, cfg.align, cfg.select_k, cfg.seed + step)
         groups = rule.group(trajectories, settings)
         advantages = advantages_for_groups(groups, cfg.advantage_scale)
         rows = rows_from_groups(

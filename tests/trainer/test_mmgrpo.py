@@ -299,3 +299,15 @@ def test_group_diagnostics_per_module_and_invocation():
     assert got["distinct_members/a#0"] == 2 and got["distinct_members/a"] == 2.5
     assert got["advantage_mean/a#0"] == pytest.approx(1 / 3)
     assert got["advantage_std/b"] == pytest.approx(np.std([-1.0, 0.0, 1.0]))
+
+
+def test_branch_grouping_trains_on_the_branch_calls_only(tokenizer, tmp_path):
+    """grouping=branch through the trainer: each example's G rollouts share the draft (one stem
+    sampled it, the others replayed it) and the groups hold the final call alone."""
+    cfg = config(tmp_path, grouping="branch", branch_module="final", num_steps=1, eval_every=100)
+    run(tokenizer, cfg)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    (step,) = [r for r in map(json.loads, lines) if "loss" in r]
+    assert step["calls_replayed"] == 2 * (3 - 1)  # 2 examples x (G - 1) branches x 1 draft
+    assert step["groups/final"] == 2 and "groups/draft" not in step
+    assert step["calls_ungrouped/draft"] == 6 and step["calls_ungrouped/final"] == 0
