@@ -11,12 +11,13 @@ function of (seed, step).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -452,117 +453,27 @@ class MMGRPO:
     def compile(
         self, program: Module, trainset: Sequence[Example], valset: Sequence[Example] = ()
     ) -> Module:
+        """Train the policy behind `program`'s predictors. Each step is rollouts -> groups ->
+        advantages -> rows (`_rollouts`), then update -> weight sync (`_learn`); what makes the
+        loop safe to stop and resume is `_Run`'s."""
         cfg = self.config
         self._check_data(cfg, program, trainset, valset)
         with ExitStack() as closing:
-            stop = closing.enter_context(StopSignals())
-            if parallel.is_main_process():  # before the checkpoints: one writer
-                closing.enter_context(RunLock(self.run_dir))
-            checkpoints = Checkpointer(self.run_dir, resume=cfg.resume)
-            closing.callback(checkpoints.close)
-            learner = self._learner()
-            # the model gets the trained weights however the run ends (the engine has its own)
-            closing.callback(lambda: _give_back(self.model, learner.state))
-            engine = self._open_engine(closing)
-            lm, greedy = self._lms(engine)
-            restored = self._resume(checkpoints, learner, engine, program)
-            done = 0 if restored is None else restored.step
-            if restored is not None and parallel.process_zero_says(self._finished(done)):
+            run = _Run(self, program, closing)
+            if run.finished:
                 return program
-            self.log = RunLogger(
-                self.run_dir,
-                resumed_step=None if restored is None else done,
-                elapsed=0.0 if restored is None else restored.meta.get("wall_seconds", 0.0),
-                unwritten=() if restored is None else restored.meta.get("log_unwritten", ()),
-                writes=parallel.is_main_process(),
-            )
-            # a checkpoint holds the state after the last *completed* step, the engine's included
-            # (an interrupted step has already drawn from its sampling counter)
-            engine_state = engine.state_dict()
-            guard = _Guard(cfg)
-
-            def save() -> None:
-                with stop.deferred():
-                    self._save(checkpoints, done, learner, engine_state, program)
-
-            def saved(err: BaseException) -> None:
-                save()
-                err.add_note(
-                    f"the checkpoint of step {done} is in {str(self.run_dir)!r}; resume=true "
-                    "continues the run"
-                )
-
-            # several processes: a signal is held and acted on at the next step boundary by
-            # every process at once
-            if self._local_engine:
-                stop.hold()
-            try:
-                for step in self._progress(done):
-                    if self._local_engine and (signum := parallel.any_signal(stop.pending)):
-                        stop.stop_now(signum)
-                    # a signal here raises at once: rollouts and evaluation change no state
+            with run.saving_on_stop():
+                for step in run.steps():
                     if step % cfg.eval_every == 0 and valset:
-                        self._evaluate(program, valset, greedy, step)  # once, resumed or not
-                    rollouts = self._rollouts(program, trainset, lm, step)
-                    try:
-                        guard.check_rollouts(rollouts.trajectories, step)
-                    except UserError as err:  # the state is still the last completed step's
-                        saved(err)
-                        raise
-                    # the update donates the train state: a signal waits for the step to finish
-                    with stop.deferred():
-                        record = self._learn(rollouts, lm, learner, guard, step)
-                        done, engine_state = step + 1, engine.state_dict()
-                        self.log.log(record)
-                        if done % cfg.checkpoint_every == 0:
-                            self._save(checkpoints, done, learner, engine_state, program)
+                        self._evaluate(program, valset, run.greedy, step)  # once, resumed or not
+                    rollouts = self._rollouts(program, trainset, run.lm, step)
+                    run.check_rollouts(rollouts.trajectories, step)
+                    with run.completing(step) as done:  # a signal waits for the update
+                        done(self._learn(rollouts, run.lm, run.learner, run.guard, step))
                 if valset:
-                    self._evaluate(program, valset, greedy, done)
-            except RunLogError as err:  # the log of a completed step: save that step
-                saved(err)
-                raise
-            except KeyboardInterrupt as err:
-                why = err.signal_name if isinstance(err, Interrupted) else "KeyboardInterrupt"
-                logger.warning("%s: writing the checkpoint of step %d before exiting", why, done)
-                saved(err)
-                raise
-            # the run is complete: a signal from here on waits for the last writes and teardown
-            stop.hold()
-            save()
-            _give_back(self.model, learner.state)
-            if cfg.train == "lora" and parallel.is_main_process():
-                save_peft_adapter(self.model, self.run_dir / "adapter")
-            # steps whose gradient was zero ran no forward or backward pass (make_idle_step)
-            idle = int(sum(r.get("idle_update", 0.0) for r in self.log.history))
-            if idle and idle == cfg.num_steps and cfg.loss.beta == 0:
-                logger.warning(
-                    "all %d steps of this run were idle: in every group the rewards were equal "
-                    "(no advantage), so nothing was learnt; a policy that already gets some "
-                    "rewards right, more rollouts (num_rollouts) or a graded metric give the "
-                    "groups a spread",
-                    idle,
-                )
-            self.summary = self.log.close(
-                {"steps": cfg.num_steps, "grouping": cfg.grouping, "idle_updates": idle}
-            )
+                    self._evaluate(program, valset, run.greedy, run.done)
+            self.summary = run.finish()
         return program
-
-    def _finished(self, done: int) -> bool:
-        """Whether run_dir holds this run, finished at `done` (its summary written then)."""
-        path = self.run_dir / "summary.json"
-        if done < self.config.num_steps or not path.is_file():
-            return False
-        summary = read_json(path, "remove it: the run is finished again from its checkpoint")
-        if summary.get("steps") != done:  # the summary of an earlier, shorter finish
-            return False
-        logger.warning(
-            "%s holds a finished run (step %d of %d): nothing to do; raise num_steps to train on",
-            self.run_dir,
-            done,
-            self.config.num_steps,
-        )
-        self.summary = summary
-        return True
 
     # -- weights, for BetterTogether ---------------------------------------------------------
     def snapshot_weights(self) -> nnx.State:
@@ -811,19 +722,168 @@ class MMGRPO:
             {"step": float(step), "eval_reward": reward, "time/eval": time.perf_counter() - start}
         )
 
-    def _resume(
-        self, checkpoints: Checkpointer, learner: _Learner, engine: RolloutEngine, program: Module
-    ) -> Restored | None:
-        restored = checkpoints.restore(
+
+class _Run:
+    """One `compile`'s lifecycle: stop signals, the run lock, checkpoints (written when due, on
+    a stop and at the end; read back on resume), the log, the engine and its two LMs, the
+    learner and the last completed step. `MMGRPO.compile` is the algorithm; this is what makes
+    it safe to interrupt and continue."""
+
+    def __init__(self, trainer: MMGRPO, program: Module, closing: ExitStack) -> None:
+        cfg = self.config = trainer.config
+        self.trainer, self.program, self.run_dir = trainer, program, trainer.run_dir
+        self.stop = closing.enter_context(StopSignals())
+        if parallel.is_main_process():  # before the checkpoints: one writer
+            closing.enter_context(RunLock(self.run_dir))
+        self.checkpoints = Checkpointer(self.run_dir, resume=cfg.resume)
+        closing.callback(self.checkpoints.close)
+        self.learner = trainer._learner()
+        # the model gets the trained weights however the run ends (the engine has its own)
+        closing.callback(lambda: _give_back(trainer.model, self.learner.state))
+        self.engine = trainer._open_engine(closing)
+        self.lm, self.greedy = trainer._lms(self.engine)
+        restored = self._resume()
+        self.done = 0 if restored is None else restored.step  # the last completed step
+        self.finished = restored is not None and parallel.process_zero_says(self._finished())
+        if self.finished:
+            return
+        trainer.log = self.log = RunLogger(
+            self.run_dir,
+            resumed_step=None if restored is None else self.done,
+            elapsed=0.0 if restored is None else restored.meta.get("wall_seconds", 0.0),
+            unwritten=() if restored is None else restored.meta.get("log_unwritten", ()),
+            writes=parallel.is_main_process(),
+        )
+        # a checkpoint holds the state after the last *completed* step, the engine's included
+        # (an interrupted step has already drawn from its sampling counter)
+        self.engine_state = self.engine.state_dict()
+        self.guard = _Guard(cfg)
+        # several processes: a signal is held and acted on at the next step boundary by every
+        # process at once
+        if trainer._local_engine:
+            self.stop.hold()
+
+    # -- the loop's edges ------------------------------------------------------------------------
+    def steps(self) -> Iterator[int]:
+        """The steps left; with several processes, a held signal stops them all here."""
+        for step in self.trainer._progress(self.done):
+            if self.trainer._local_engine and (signum := parallel.any_signal(self.stop.pending)):
+                self.stop.stop_now(signum)
+            # a signal before the update raises at once: rollouts and evaluation change no state
+            yield step
+
+    def check_rollouts(self, trajectories: Sequence[Trajectory], step: int) -> None:
+        """The guard's verdict on the step's rollouts; a stop saves the last completed step."""
+        try:
+            self.guard.check_rollouts(trajectories, step)
+        except UserError as err:  # the state is still the last completed step's
+            self.save_noted(err)
+            raise
+
+    @contextlib.contextmanager
+    def completing(self, step: int) -> Iterator[Callable[[dict[str, float]], None]]:
+        """The update and what follows it, as one: a signal waits for the block (the update
+        donates the train state); the step's log row passed to the yielded function makes the
+        step done, logged, and checkpointed when due."""
+        records: list[dict[str, float]] = []
+        with self.stop.deferred():
+            yield records.append
+            (record,) = records
+            self.done, self.engine_state = step + 1, self.engine.state_dict()
+            self.log.log(record)
+            if self.done % self.config.checkpoint_every == 0:
+                self._checkpoint()
+
+    @contextlib.contextmanager
+    def saving_on_stop(self) -> Iterator[None]:
+        """Ctrl-C, SIGTERM or a failed log write: the last completed step's checkpoint first."""
+        try:
+            yield
+        except RunLogError as err:  # the log of a completed step: save that step
+            self.save_noted(err)
+            raise
+        except KeyboardInterrupt as err:
+            why = err.signal_name if isinstance(err, Interrupted) else "KeyboardInterrupt"
+            logger.warning("%s: writing the checkpoint of step %d before exiting", why, self.done)
+            self.save_noted(err)
+            raise
+
+    def finish(self) -> dict[str, Any]:
+        """The last checkpoint, the weights into the model, the adapter, summary.json."""
+        cfg = self.config
+        # the run is complete: a signal from here on waits for the last writes and teardown
+        self.stop.hold()
+        self.save()
+        _give_back(self.trainer.model, self.learner.state)
+        if cfg.train == "lora" and parallel.is_main_process():
+            save_peft_adapter(self.trainer.model, self.run_dir / "adapter")
+        # steps whose gradient was zero ran no forward or backward pass (make_idle_step)
+        idle = int(sum(r.get("idle_update", 0.0) for r in self.log.history))
+        if idle and idle == cfg.num_steps and cfg.loss.beta == 0:
+            logger.warning(
+                "all %d steps of this run were idle: in every group the rewards were equal "
+                "(no advantage), so nothing was learnt; a policy that already gets some "
+                "rewards right, more rollouts (num_rollouts) or a graded metric give the "
+                "groups a spread",
+                idle,
+            )
+        return self.log.close(
+            {"steps": cfg.num_steps, "grouping": cfg.grouping, "idle_updates": idle}
+        )
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save(self) -> None:
+        with self.stop.deferred():
+            self._checkpoint()
+
+    def save_noted(self, err: BaseException) -> None:
+        self.save()
+        err.add_note(
+            f"the checkpoint of step {self.done} is in {str(self.run_dir)!r}; resume=true "
+            "continues the run"
+        )
+
+    def _checkpoint(self) -> None:
+        meta = {
+            "engine": self.engine_state,
+            "program": self.program.dump_state(),
+            "config": dataclasses.asdict(self.config),
+            "wall_seconds": self.log.elapsed,
+            "log_unwritten": self.log.unwritten,  # rows a resume writes (RunLogError)
+        }
+        self.checkpoints.save(self.done, self.learner.state, self.learner.frozen.reference, meta)
+
+    def _finished(self) -> bool:
+        """Whether run_dir holds this run, finished at the restored step (its summary written
+        then)."""
+        done = self.done
+        path = self.run_dir / "summary.json"
+        if done < self.config.num_steps or not path.is_file():
+            return False
+        summary = read_json(path, "remove it: the run is finished again from its checkpoint")
+        if summary.get("steps") != done:  # the summary of an earlier, shorter finish
+            return False
+        logger.warning(
+            "%s holds a finished run (step %d of %d): nothing to do; raise num_steps to train on",
+            self.run_dir,
+            done,
+            self.config.num_steps,
+        )
+        self.trainer.summary = summary
+        return True
+
+    def _resume(self) -> Restored | None:
+        learner = self.learner
+        restored = self.checkpoints.restore(
             learner.state, learner.frozen.reference, check_meta=self._check_resumable
         )
         if restored is None:
             return None
         learner.state = restored.state
         learner.frozen = dataclasses.replace(learner.frozen, reference=restored.reference)
-        program.load_state(restored.meta["program"])
-        engine.load_state_dict(restored.meta["engine"])
-        engine.update_weights(parallel.local_copy(learner.state.trainable))
+        self.program.load_state(restored.meta["program"])
+        self.engine.load_state_dict(restored.meta["engine"])
+        self.engine.update_weights(parallel.local_copy(learner.state.trainable))
         return restored
 
     def _check_resumable(self, meta: dict[str, Any]) -> None:
@@ -854,20 +914,3 @@ class MMGRPO:
                 saved["model_path"],
                 now["model_path"],
             )
-
-    def _save(
-        self,
-        checkpoints: Checkpointer,
-        step: int,
-        learner: _Learner,
-        engine_state: dict[str, Any],
-        program: Module,
-    ) -> None:
-        meta = {
-            "engine": engine_state,
-            "program": program.dump_state(),
-            "config": dataclasses.asdict(self.config),
-            "wall_seconds": self.log.elapsed,
-            "log_unwritten": self.log.unwritten,  # rows a resume writes (RunLogError)
-        }
-        checkpoints.save(step, learner.state, learner.frozen.reference, meta)

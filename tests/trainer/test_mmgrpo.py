@@ -259,7 +259,7 @@ def test_examples_for_step_is_a_pure_epoch_permutation():
     ("overrides", "message"),
     [
         ({"num_rollouts": 1}, "num_rollouts must be >= 2"),
-        ({"grouping": "call"}, r"grouping must be a registered grouping rule \(\[.module"),
+        ({"grouping": "call"}, r"grouping must be a registered grouping rule \(\[.*'module'"),
         ({"train": "partial"}, "train must be 'lora' or 'full'"),
         ({"num_iterations": 0}, "num_iterations must be >= 1, got 0"),
     ],

@@ -71,7 +71,7 @@ def test_unknown_loss_and_grouping_names_list_the_registered_ones(registered_los
         LossConfig("nope")
     with pytest.raises(ValueError, match=r"MMGRPOConfig\.grouping must be a registered grouping"):
         mmgrpo_jax.MMGRPOConfig(grouping="nope")
-    with pytest.raises(ValueError, match="aggregation must be one of"):
+    with pytest.raises(ValueError, match=r"aggregation of loss 'other' must be a registered"):
         mmgrpo_jax.register_loss("other", importance_weighted_reinforce, aggregation="median")
 
 
