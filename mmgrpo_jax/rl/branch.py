@@ -7,8 +7,10 @@ stem's calls made before the branch call (same prompts, same replies, nothing sa
 from one prompt, and their rewards differ only by what was sampled there and after. The shared
 calls are marked `replayed` and left out of every group (they are one action, not G); the calls
 from the branch point on are grouped module-level as usual. A stem that never reaches the
-branch call (it failed first, or called that module fewer times) leaves its example's other
-rollouts to run from the start: that example has no branch group that step.
+branch call (it failed first, or called that module fewer times), or whose shared calls include
+a reply that did not parse, leaves its example's other rollouts to run from the start: that
+example has no branch group that step. The prefix is the stem's calls in the order they were
+recorded: a program that calls its predictors from threads of its own may not branch.
 
 The cost is explicit: the stems run before the branches (two waves of sampling per step), and
 the replayed calls cost nothing (`calls_replayed` in the step's metrics).
@@ -34,10 +36,13 @@ from mmgrpo_jax.rl.types import Metric, Trajectory
 
 
 def branch_prefix(stem: Trajectory, module: str, invocation: int) -> tuple[CallRecord, ...] | None:
-    """The stem's calls made before its `module`[`invocation`] call, or None if it has none."""
+    """The stem's calls made before its `module`[`invocation`] call; None if it has none, or
+    if one of them failed to parse (every branch would replay the failure: a group of equal
+    rewards), so that its example's rollouts run from the start instead."""
     for index, call in enumerate(stem.calls):
         if call.predictor == module and call.invocation == invocation:
-            return stem.calls[:index]
+            prefix = stem.calls[:index]
+            return prefix if all(c.parsed for c in prefix) else None
     return None
 
 
@@ -106,13 +111,22 @@ def branch_groups(trajectories: Sequence[Trajectory], settings: GroupingSettings
         )
         for t in trajectories
     ]
-    return module_level_groups(
+    groups = module_level_groups(
         apart,
         align=settings.align,
         select_k=settings.select_k,
         seed=settings.seed,
         num_rollouts=settings.num_rollouts,
     )
+    # a group's invocation counts the module's calls in the trajectory, shared ones included
+    return [
+        dataclasses.replace(
+            g,
+            invocation=g.invocation
+            + sum(m == g.module for m, _ in shared.get(g.example_index, ())),
+        )
+        for g in groups
+    ]
 
 
 register_grouping("branch", branch_groups, unit="row", rollouts=run_branch_rollouts)

@@ -154,8 +154,8 @@ class LossConfig:
 
     `epsilon_high` defaults to `epsilon` for the clipped variants; for cispo it is an absolute cap
     on the ratio (TRL's form) and must be given, e.g. 5.0. `delta` (two-sided clipping) applies to
-    grpo, bnpo, dapo and dr_grpo. `max_completion_length` is dr_grpo's constant normaliser: left
-    unset in an MMGRPOConfig it becomes the sampler's `max_completion_tokens`.
+    grpo, bnpo, dapo, dr_grpo and luspo. `max_completion_length` is dr_grpo's constant
+    normaliser: left unset in an MMGRPOConfig it becomes the sampler's `max_completion_tokens`.
     """
 
     # grpo | bnpo | dapo | dr_grpo | cispo | gspo | sapo | luspo | vespo, or a registered one
@@ -212,9 +212,10 @@ class LossConfig:
             raise ValueError(f"LossConfig.epsilon_high must be >= 0, got {self.epsilon_high!r}")
         if self.delta is not None:
             if not VARIANTS[self.variant].uses_delta:
+                takers = sorted(name for name, v in VARIANTS.items() if v.uses_delta)
                 raise ValueError(
-                    f"LossConfig.delta applies to grpo, bnpo, dapo and dr_grpo, not "
-                    f"{self.variant!r}; got delta={self.delta!r}"
+                    f"LossConfig.delta applies to {takers}, not {self.variant!r}; got "
+                    f"delta={self.delta!r}"
                 )
             if not self.delta > 1:
                 raise ValueError(f"LossConfig.delta must be > 1, got {self.delta!r}")
@@ -270,10 +271,9 @@ def sampler_log_weight(
     mask: jax.Array,  # [B, T]
 ) -> jax.Array:
     """log of TRL's sampler-mismatch weight: log r = l_old - l_sampler per token ([B, T]), or
-    its sum per sequence ([B, 1]), clamped to (truncate) or -inf outside (mask) [min, max]. A
-    token the sampler could not score (non-finite) counts 0, so r = 1 there."""
+    its sum per sequence ([B, 1]), clamped to (truncate) or -inf outside (mask) [min, max]."""
     diff = jnp.where(mask, old_logps - sampler_logps, 0.0)
-    diff = jnp.where(jnp.isfinite(diff), diff, 0.0)
+    diff = jnp.nan_to_num(diff, nan=0.0)  # as TRL: NaN counts 0 (r = 1), +-inf the largest float
     mode = cfg.sampler_correction
     if mode.startswith("sequence"):
         diff = diff.sum(-1, keepdims=True)
@@ -367,7 +367,7 @@ def off_policy_keep(
     negative and its mean (sampler - trainer) log-prob gap, a KL estimate, exceeds `threshold`.
     A gap that is not finite (a token the sampler could not score) counts as 0, as in TRL."""
     gap = jnp.where(mask, sampler_logps - jax.lax.stop_gradient(logps), 0.0)
-    gap = jnp.where(jnp.isfinite(gap), gap, 0.0)
+    gap = jnp.nan_to_num(gap, nan=0.0)  # as TRL: NaN counts 0, +-inf the largest float
     mean_gap = gap.sum(-1, keepdims=True) / jnp.maximum(mask.sum(-1, keepdims=True), 1)
     return (advantages >= 0) | (mean_gap <= threshold)
 

@@ -186,7 +186,9 @@ def step_metrics(
     engine's stats (where the rollouts' time went: sampling, or the programs and tools)."""
     metrics: dict[str, float] = {k: float(v) for k, v in summarize(trajectories).items()}
     metrics["reward_std"] = float(np.std([t.reward for t in trajectories]))
-    sampled = sum(len(c.completion_ids or ()) for t in trajectories for c in t.calls)
+    sampled = sum(
+        len(c.completion_ids or ()) for t in trajectories for c in t.calls if not c.replayed
+    )
     metrics["rollout_tokens_per_s"] = sampled / max(seconds["rollout"], 1e-9)
     metrics["groups"] = float(len(groups))
     # calls answered from another rollout's record, not sampled (branch rollouts' shared prefix)
@@ -202,8 +204,8 @@ def step_metrics(
                 grouped.add(id(call))
     for name, values in lengths.items():
         metrics[f"completion_length/{name}"] = float(np.mean(values))
-    # calls that gave no training row, and why: in no group (the alignment dropped them, or
-    # their trajectory failed), or nothing generated
+    # calls that gave no training row, and why: in no group (the alignment dropped them, or a
+    # branch rollout shares them), or nothing generated
     ungrouped: Counter[str] = Counter()
     empty: Counter[str] = Counter()
     for t in trajectories:
@@ -234,8 +236,8 @@ def group_diagnostics(
 ) -> dict[str, float]:
     """Per module (and per (module, invocation) for a module called several times in a
     trajectory; "trajectory" for trajectory-level groups): how many groups, the fraction with no
-    reward spread (no gradient), the mean number of distinct members (below G when fill or
-    padding repeated some), and the advantages' mean and spread."""
+    reward spread (no gradient), the mean number of distinct members (below G when padding or
+    select-K repeated some), and the advantages' mean and spread."""
     by_key: dict[str, list[tuple[Group, np.ndarray]]] = {}
     invocations: dict[str, set[int]] = {}
     for group, adv in zip(groups, advantages, strict=True):
@@ -559,6 +561,8 @@ class MMGRPO:
                 update = self._update(learner, batch, guard, step)
             update.setdefault("idle_update", 0.0)
             update["padding_fraction"] = padding
+            # what the loss normalised by: rows, trajectories or examples (loss_unit)
+            update["loss_units"] = float(len({row.unit for row in rollouts.rows}))
             update["perf/train_compiles"] = float(learner.compiles() - compiles)
             synced = time.perf_counter()
             # the next rollouts use the update (each process's engine holds local arrays)
@@ -637,6 +641,12 @@ class MMGRPO:
             raise UserError(
                 f"MMGRPOConfig.examples_per_step={cfg.examples_per_step} is larger than the "
                 f"trainset ({len(trainset)} examples)"
+            )
+        predictors = [name for name, _ in program.named_predictors()]
+        if cfg.grouping == "branch" and cfg.branch_module not in predictors:
+            raise UserError(
+                f"MMGRPOConfig.branch_module={cfg.branch_module!r} is not a predictor of the "
+                f"program: {predictors}"
             )
         # every row must name inputs the program takes before any compute
         for name, rows in (("trainset", trainset), ("valset", valset)):
@@ -861,7 +871,9 @@ class _Run:
         if done < self.config.num_steps or not path.is_file():
             return False
         summary = read_json(path, "remove it: the run is finished again from its checkpoint")
-        if summary.get("steps") != done:  # the summary of an earlier, shorter finish
+        # better-together keeps its weight stage's summary inside its own
+        steps = summary.get("steps", (summary.get("weight_stage") or {}).get("steps"))
+        if steps != done:  # the summary of an earlier, shorter finish
             return False
         logger.warning(
             "%s holds a finished run (step %d of %d): nothing to do; raise num_steps to train on",

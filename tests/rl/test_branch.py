@@ -4,9 +4,11 @@ import threading
 import pytest
 
 from mmgrpo_jax.program import Example, Module, Predict
+from mmgrpo_jax.program.trace import CallRecord
 from mmgrpo_jax.rl.advantages import advantages_for_groups
-from mmgrpo_jax.rl.branch import branch_groups, run_branch_rollouts
+from mmgrpo_jax.rl.branch import branch_groups, branch_prefix, run_branch_rollouts
 from mmgrpo_jax.rl.grouping import GroupingSettings, grouping_rule
+from mmgrpo_jax.rl.types import Trajectory
 from mmgrpo_jax.testing.scripted import ScriptedLM
 from mmgrpo_jax.trainer.config import MMGRPOConfig
 
@@ -66,6 +68,17 @@ def test_branches_share_the_prefix_and_the_branch_calls_group_on_one_prompt():
     assert all((a > 0) == (r == 1.0) for a, r in zip(advantages, rewards, strict=True))
 
 
+def test_a_stem_whose_shared_calls_failed_to_parse_is_not_branched():
+    stem = Trajectory(0, 0, (_failed_call(),), 0.0, "format_failure")
+    assert branch_prefix(stem, "plan", 0) == ()  # nothing before the first call
+    failed_first = Trajectory(0, 0, (_failed_call(), _failed_call("act")), 0.0, "format_failure")
+    assert branch_prefix(failed_first, "act", 0) is None
+
+
+def _failed_call(predictor="plan"):
+    return CallRecord(predictor, 0, (), "?", (1,), (2,), None, "stop", False, "no parse", None)
+
+
 def test_a_stem_that_never_reaches_the_branch_call_leaves_plain_rollouts():
     lm = scripted(plans=["a", "b", "c", "d"], moves=["left"] * 4)
     settings = GroupingSettings(num_rollouts=4, branch_module="act", branch_invocation=1)
@@ -106,3 +119,19 @@ def test_branch_grouping_is_registered_with_its_rollouts_and_configured():
         MMGRPOConfig(grouping="module", branch_module="act")
     with pytest.raises(ValueError, match="num_rollouts >= 2"):
         run_branch_rollouts(PlanThenAct(), EXAMPLES, metric, settings=SETTINGS, num_rollouts=1)
+
+
+def test_a_branch_group_keeps_the_invocation_of_its_call():
+    class ActTwice(PlanThenAct):
+        def forward(self, task):
+            first = self.act(plan=self.plan(task=task).plan).move
+            return self.act(plan=first)  # act[1] reads act[0]'s reply
+
+    lm = scripted(plans=["p"], moves=["a", "left", "b", "right", "c", "left"])
+    settings = GroupingSettings(num_rollouts=3, branch_module="act", branch_invocation=1)
+    trajectories = run_branch_rollouts(
+        ActTwice(), EXAMPLES, metric, settings=settings, num_rollouts=3, lm=lm
+    )
+    assert [c.replayed for c in trajectories[1].calls] == [True, True, False]
+    groups = branch_groups(trajectories, settings)
+    assert [(g.module, g.invocation) for g in groups] == [("act", 1)]  # act[1], not act[0]

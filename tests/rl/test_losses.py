@@ -420,7 +420,10 @@ def test_bnpo_averages_micro_batch_token_means():
         ({"variant": "grpo", "epsilon_high": -1.0}, "epsilon_high must be >= 0, got -1.0"),
         ({"variant": "grpo", "beta": -0.01}, "beta must be >= 0, got -0.01"),
         ({"variant": "grpo", "delta": 0.9}, "delta must be > 1, got 0.9"),
-        ({"variant": "gspo", "delta": 2.0}, "delta applies to grpo"),
+        (
+            {"variant": "gspo", "delta": 2.0},
+            r"delta applies to \[.bnpo., .dapo., .dr_grpo., .grpo., .luspo.\], not .gspo.",
+        ),
         ({"variant": "sapo", "sapo_tau_neg": 0.0}, "sapo_tau_neg must be > 0, got 0.0"),
         ({"variant": "vespo", "vespo_lambda_pos": -1.0}, "vespo_lambda_pos must be > 0"),
         ({"off_policy_mask_threshold": float("nan")}, "off_policy_mask_threshold must be a"),

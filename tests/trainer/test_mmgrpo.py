@@ -152,7 +152,9 @@ def test_two_steps_train_only_lora_and_log_everything(
     assert f"groups/{name}" in steps[0]
     for key in ("distinct_members", "advantage_mean", "advantage_std", "zero_variance_fraction"):
         assert np.isfinite(steps[0][f"{key}/{name}"]), key
-    assert steps[0]["calls_ungrouped/draft"] == 0 and steps[0]["calls_empty/draft"] >= 0
+    assert steps[0]["calls_ungrouped/draft"] == 0 and steps[0]["calls_empty/draft"] == 0
+    # 2 examples x 3 rollouts x 2 calls: one unit a call, or one a trajectory
+    assert steps[0]["loss_units"] == (6 if grouping == "trajectory" else 12)
     assert "eval_reward" in lines[-1]
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -272,6 +274,12 @@ def test_bad_configs_fail_before_compute(tmp_path, overrides, message):
 def test_too_many_examples_per_step_is_named(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="examples_per_step=9 is larger than the trainset"):
         run(tokenizer, config(tmp_path, examples_per_step=9))
+
+
+def test_a_branch_module_the_program_lacks_is_named_before_any_rollout(tokenizer, tmp_path):
+    cfg = config(tmp_path, grouping="branch", branch_module="finall")
+    with pytest.raises(ValueError, match=r"branch_module='finall' is not a predictor .*'final'"):
+        run(tokenizer, cfg)
 
 
 def test_a_fresh_run_refuses_a_run_dir_that_holds_checkpoints(tokenizer, tmp_path):
