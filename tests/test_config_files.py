@@ -48,7 +48,7 @@ def test_two_levels_of_sections_keep_every_default_not_overridden():
         (
             ["loss.epsilom=3"],
             r"unknown LossConfig keys \['loss.epsilom'\] \(did you mean \['loss.epsilon'\]\?\); "
-            r"valid: \['loss.beta', 'loss.delta', 'loss.epsilon', ",
+            r"valid: \['loss.aggregation', 'loss.beta', 'loss.delta', 'loss.epsilon', ",
         ),
         (["steps"], "must look like key=value"),
         (["loss.variant=ppo"], "got 'ppo'"),

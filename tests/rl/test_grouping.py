@@ -187,7 +187,8 @@ def test_the_built_in_rules_are_registered_with_their_units():
     assert grouping_rule("trajectory").unit == "trajectory"
     via_rule = grouping_rule("module").group(rollouts(), settings)
     assert via_rule == module_level_groups(rollouts(), align="ragged", num_rollouts=4)
-    with pytest.raises(ValueError, match=r"registered grouping rule \(\['module', 'trajectory'"):
+    assert grouping_rule("branch").unit == "row"
+    with pytest.raises(ValueError, match=r"grouping rule \(\['branch', 'module', 'trajectory'"):
         grouping_rule("per-call")
 
 
