@@ -13,6 +13,7 @@ micro-batches, b rows each, L tokens.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Sequence
 from typing import Literal, get_args
 
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmgrpo_jax.rl.grouping import Group, GroupMember
+from mmgrpo_jax.rl.grouping import Group
 from mmgrpo_jax.sampling import LENGTH_GRANULE, length_bucket
 from mmgrpo_jax.shapes import bucket
 
@@ -76,25 +77,25 @@ def rows_from_groups(
     if unit not in ROW_UNITS:
         raise ValueError(f"unit must be one of {ROW_UNITS}, got {unit!r}")
     rows: list[Row] = []
-    keys: dict[tuple, int] = {}  # a unit's key -> its id
-
-    def unit_id(group: Group, member: GroupMember, member_index: int, seen: dict) -> int:
-        if unit == "trajectory":
-            key: tuple = ("member", member_index)
-        elif unit == "rollout":
-            occurrence = seen.get(member.rollout_index, 0)
-            seen[member.rollout_index] = occurrence + 1
-            key = (group.example_index, member.rollout_index, occurrence)
-        else:  # example
-            key = (group.example_index,)
-        return keys.setdefault(key, len(keys))
-
+    ids: dict[tuple, int] = {}  # a unit's key -> its id
     members = []
     for group, group_advantages in zip(groups, advantages, strict=True):
-        seen: dict[int, int] = {}  # rollout -> its members so far in this group
+        repeats: Counter[int] = Counter()  # a rollout's members so far in this group
         for member, advantage in zip(group.members, group_advantages, strict=True):
-            member_unit = None if unit == "row" else unit_id(group, member, len(members), seen)
-            members.append((member, advantage, member_unit))
+            repeats[member.rollout_index] += 1
+            key = {
+                "row": None,
+                "trajectory": ("member", len(members)),
+                "rollout": (
+                    group.example_index,
+                    member.rollout_index,
+                    repeats[member.rollout_index],
+                ),
+                "example": (group.example_index,),
+            }[unit]
+            members.append(
+                (member, advantage, None if key is None else ids.setdefault(key, len(ids)))
+            )
     for member, advantage, member_unit in members:
         for call in member.calls:
             if call.prompt_ids is None or call.completion_ids is None:

@@ -127,6 +127,9 @@ class Variant:
     token_terms: TokenObjective
     aggregation: str  # a registered aggregation
     uses_delta: bool = False
+    # takes the sampler-mismatch weight in its token function (`TokenInputs.is_log_weight`)
+    # instead of having policy_loss multiply its per-token loss by it; token modes only
+    folds_sampler_weight: bool = False
 
 
 VARIANTS: Registry[Variant] = Registry("loss", "mmgrpo_jax.register_loss")
@@ -138,6 +141,7 @@ def register_loss(
     *,
     aggregation: str = "sequence_mean",
     uses_delta: bool = False,
+    folds_sampler_weight: bool = False,
 ) -> None:
     """Make `LossConfig(variant=name)` train with `token_terms`, aggregated by `aggregation`.
 
@@ -145,7 +149,8 @@ def register_loss(
     masks for the metrics; `inputs.batch` gives any extra per-token input added to the batch.
     """
     AGGREGATIONS.lookup(aggregation, f"the aggregation of loss {name!r}")
-    VARIANTS.add(name, token_terms, Variant(token_terms, aggregation, uses_delta))
+    variant = Variant(token_terms, aggregation, uses_delta, folds_sampler_weight)
+    VARIANTS.add(name, token_terms, variant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,10 +259,10 @@ class LossConfig:
                 f"LossConfig.sampler_correction_max must be > 0 and > sampler_correction_min, "
                 f"got {high!r}"
             )
-        if self.variant == "vespo" and mode.startswith("sequence"):
+        if VARIANTS[self.variant].folds_sampler_weight and mode.startswith("sequence"):
             raise ValueError(
-                f"LossConfig.sampler_correction={mode!r} with vespo: vespo folds a per-token "
-                "weight into its sequence weight (as TRL); use token_truncate or token_mask"
+                f"LossConfig.sampler_correction={mode!r} with {self.variant}: it folds a "
+                "per-token weight into its own (as TRL's vespo); use token_truncate or token_mask"
             )
 
 
@@ -353,7 +358,7 @@ register_loss("gspo", _gspo_terms, aggregation="sequence_mean")
 register_loss("sapo", _sapo_terms, aggregation="sequence_mean")
 # LUSPO: GSPO's sequence ratio, each sequence's loss weighted by its length: (1/N) sum |o_i| l_i
 register_loss("luspo", _gspo_terms, aggregation="sequence_sum", uses_delta=True)
-register_loss("vespo", _vespo_terms, aggregation="token_mean_global")
+register_loss("vespo", _vespo_terms, aggregation="token_mean_global", folds_sampler_weight=True)
 
 
 def off_policy_keep(
@@ -364,8 +369,7 @@ def off_policy_keep(
     threshold: float,
 ) -> jax.Array:
     """DeepSeek-V3.2's off-policy sequence mask, [B, 1]: a row stays unless its advantage is
-    negative and its mean (sampler - trainer) log-prob gap, a KL estimate, exceeds `threshold`.
-    A gap that is not finite (a token the sampler could not score) counts as 0, as in TRL."""
+    negative and its mean (sampler - trainer) log-prob gap, a KL estimate, exceeds `threshold`."""
     gap = jnp.where(mask, sampler_logps - jax.lax.stop_gradient(logps), 0.0)
     gap = jnp.nan_to_num(gap, nan=0.0)  # as TRL: NaN counts 0, +-inf the largest float
     mean_gap = gap.sum(-1, keepdims=True) / jnp.maximum(mask.sum(-1, keepdims=True), 1)
@@ -399,8 +403,8 @@ def policy_loss(
     step's `num_sequences` (units) and `num_tokens` so that summing the micro-batch losses gives
     the step's loss; by default both are counted in this batch. bnpo averages micro-batch token
     means by definition, so it takes `num_micro_batches` instead. `batch` reaches the variant's
-    token function as `inputs.batch`. With `off_policy_mask_threshold` set, `sampler_logps`
-    (else the old log-probs, TRL's fallback) feed the off-policy sequence mask.
+    token function as `inputs.batch`. `sampler_logps` (else the old log-probs, TRL's fallback)
+    feed the off-policy sequence mask and the sampler-mismatch weight, when either is set.
     """
     if cfg.beta > 0 and ref_logps is None:
         raise ValueError(f"LossConfig.beta={cfg.beta} needs ref_logps for the KL term")
@@ -443,7 +447,7 @@ def policy_loss(
     is_weight = jnp.ones_like(per_token)
     if is_log is not None:
         is_weight = jnp.broadcast_to(jnp.exp(is_log), per_token.shape)
-        if cfg.variant != "vespo":  # vespo folded it into its sequence weight
+        if not variant.folds_sampler_weight:
             per_token = per_token * is_weight
     kl = jnp.zeros_like(per_token)
     if ref_logps is not None:

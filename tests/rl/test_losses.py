@@ -426,6 +426,10 @@ def test_bnpo_averages_micro_batch_token_means():
         ),
         ({"variant": "sapo", "sapo_tau_neg": 0.0}, "sapo_tau_neg must be > 0, got 0.0"),
         ({"variant": "vespo", "vespo_lambda_pos": -1.0}, "vespo_lambda_pos must be > 0"),
+        (
+            {"variant": "vespo", "sampler_correction": "sequence_mask"},
+            "sampler_correction='sequence_mask' with vespo: it folds a per-token weight",
+        ),
         ({"off_policy_mask_threshold": float("nan")}, "off_policy_mask_threshold must be a"),
         ({"variant": "cispo"}, "epsilon_high is cispo's absolute cap .* got None"),
         ({"variant": "cispo", "epsilon_high": 0.2}, "got 0.2"),
