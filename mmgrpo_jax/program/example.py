@@ -50,6 +50,10 @@ class Example(_Fields):
     def with_inputs(self, *keys: str) -> Example:
         return Example(keys, **self._fields)
 
+    @property
+    def input_keys(self) -> tuple[str, ...]:
+        return self._input_keys
+
     def inputs(self) -> dict[str, Any]:
         if not self._input_keys:
             raise ValueError(

@@ -35,17 +35,7 @@ class Module:
     def check_inputs(self, inputs: Mapping[str, Any], where: str) -> None:
         """Refuse, before anything runs, inputs that `forward` cannot take (a dataset row
         missing a field the program reads, or one it does not know); `where` names the row."""
-        try:
-            signature = inspect.signature(self.forward)
-        except (TypeError, ValueError):  # a builtin or C callable: nothing to check
-            return
-        try:
-            signature.bind(**inputs)
-        except TypeError as err:
-            raise ValueError(
-                f"{where}: {type(self).__name__}.forward{signature} cannot take its inputs "
-                f"{sorted(inputs)} ({err})"
-            ) from None
+        check_call(self.forward, type(self).__name__, inputs, where)
 
     def named_predictors(self) -> list[tuple[str, Predict]]:
         """Every predictor reachable from this module with its dotted name, first name wins."""
@@ -86,6 +76,20 @@ class Module:
 
     def load(self, path: str | Path) -> None:
         self.load_state(json.loads(Path(path).read_text()))
+
+
+def check_call(forward: Any, owner: str, inputs: Mapping[str, Any], where: str) -> None:
+    """Raise a ValueError naming `where` if `forward` cannot take `inputs` as keywords."""
+    try:
+        signature = inspect.signature(forward)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    try:
+        signature.bind(**inputs)
+    except TypeError as err:
+        raise ValueError(
+            f"{where}: {owner}.forward{signature} cannot take its inputs {sorted(inputs)} ({err})"
+        ) from None
 
 
 def _collect_callables(obj: Any, found: dict[int, Any], visited: set[int]) -> None:

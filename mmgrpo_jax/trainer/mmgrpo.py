@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -304,6 +305,12 @@ ENGINE_METHODS = (
 )
 
 
+def _is_dspy_module(program: object) -> bool:
+    """Without importing dspy: a dspy.Module can exist only once dspy was imported."""
+    dspy = sys.modules.get("dspy")
+    return dspy is not None and isinstance(program, getattr(dspy, "Module", ()))
+
+
 def _engine_or_factory(
     engine: RolloutEngine | EngineFactory | None,
 ) -> tuple[RolloutEngine | None, EngineFactory | None]:
@@ -452,12 +459,16 @@ class MMGRPO:
         self.summary: dict[str, Any] | None = None  # summary.json's content, after compile
 
     # -- the public entry point: DESIGN section 3 ----------------------------------------------
-    def compile(
-        self, program: Module, trainset: Sequence[Example], valset: Sequence[Example] = ()
-    ) -> Module:
+    def compile(self, program: Any, trainset: Sequence[Any], valset: Sequence[Any] = ()) -> Any:
         """Train the policy behind `program`'s predictors. Each step is rollouts -> groups ->
         advantages -> rows (`_rollouts`), then update -> weight sync (`_learn`); what makes the
-        loop safe to stop and resume is `_Run`'s."""
+        loop safe to stop and resume is `_Run`'s. A `dspy.Module` with `dspy.Example`s and a
+        DSPy metric trains through `mmgrpo_jax.interop.dspy` and comes back as a DSPy program
+        on the trained policy."""
+        if _is_dspy_module(program):
+            from mmgrpo_jax.interop import dspy as dspy_interop
+
+            return dspy_interop.train(self, program, trainset, valset)
         cfg = self.config
         self._check_data(cfg, program, trainset, valset)
         with ExitStack() as closing:
