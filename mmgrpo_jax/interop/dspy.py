@@ -271,6 +271,19 @@ def _response(output: LMOutput, request: Any, lm: LM) -> Response:
     )
 
 
+class _QuietTruncationInRollouts(logging.Filter):
+    """In a rollout, a reply cut at max_tokens is the sampler's budget at work (the trainer counts
+    it); DSPy's warning for each would bury the log. Elsewhere DSPy warns as usual."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        run = _run()
+        in_rollout = run is not None and run.lm is not None
+        return not (in_rollout and record.getMessage().startswith("LM response was truncated"))
+
+
+logging.getLogger("dspy.clients.lm").addFilter(_QuietTruncationInRollouts())
+
+
 # -- traces -------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _OpenCall:

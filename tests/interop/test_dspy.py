@@ -739,3 +739,22 @@ def test_several_replies_per_call_are_refused_in_a_rollout():
     )
     assert trajectory.status == "error"
     assert "second LM call in one call" in trajectory.error
+
+
+def test_truncated_replies_are_not_warned_about_in_rollouts_only(caplog):
+    from mmgrpo_jax.program.lm import LMOutput
+
+    def cut(messages, **sampling):
+        return LMOutput(headed(keyword="k"), (1, 2), (3, 4), (-0.1, -0.2), "length")
+
+    run_rollouts(
+        DSPyProgram(AskTwice()),
+        from_dspy_examples(TRAIN[:1]),
+        lambda e, p: 1.0,
+        num_rollouts=2,
+        lm=cut,
+    )
+    assert "truncated" not in caplog.text
+    with dspy.context(lm=PolicyLM(cut)):
+        dspy.Predict("question -> keyword")(question="q")
+    assert "LM response was truncated" in caplog.text
