@@ -173,8 +173,10 @@ def _prefill(
     params: SamplingParams,
     mesh: Mesh | None,
     chunk: int = 0,  # > 0 and dividing P: prefill that many prompt positions at a time
+    adapters: jax.Array | None = None,  # [B] per-row adapter ids (several adapters)
 ) -> tuple[jax.Array, jax.Array, KVCache, jax.Array]:
     model: Decoder = nnx.merge(graphdef, state)
+    use_lora = True if adapters is None else adapters
     batch, prompt = tokens.shape
     cache = model.init_cache(batch, slots)
     if mesh is not None:
@@ -193,7 +195,9 @@ def _prefill(
                 jax.lax.dynamic_slice_in_dim(x, start, chunk, 1) for x in (tokens, positions)
             )
             mask = _attend_mask(cache.valid, start, chunk)
-            hidden, cache = model.hidden_states(ids, pos, mask, cache, slot=start)
+            hidden, cache = model.hidden_states(
+                ids, pos, mask, cache, slot=start, use_lora=use_lora
+            )
             return cache, hidden[:, -1]
 
         starts = jnp.arange(0, prompt, chunk, dtype=jnp.int32)
@@ -201,7 +205,9 @@ def _prefill(
         last_hidden = last[-1]
     else:
         mask = _attend_mask(cache.valid, 0, prompt)
-        hidden, cache = model.hidden_states(tokens, positions, mask, cache, slot=0)
+        hidden, cache = model.hidden_states(
+            tokens, positions, mask, cache, slot=0, use_lora=use_lora
+        )
         last_hidden = hidden[:, -1]
     logits = model.logits(last_hidden)  # last position only: [B, V]
     token, logprob = _sample(logits, fold_in_rows(keys, 0), temperature, params)
@@ -236,8 +242,10 @@ def _decode(
     max_new_tokens: jax.Array,
     params: SamplingParams,
     new_bucket: int,
+    adapters: jax.Array | None = None,  # [B] per-row adapter ids (several adapters)
 ) -> DecodeState:
     model: Decoder = nnx.merge(graphdef, state)
+    use_lora = True if adapters is None else adapters
     batch = first_token.shape[0]
     prompt_slots = cache.valid.shape[1] - new_bucket
     eos = jnp.asarray(params.eos_token_ids or (-1,), jnp.int32)
@@ -260,7 +268,9 @@ def _decode(
         cache = s.cache.replace(valid=s.cache.valid.at[:, slot].set(True))
         positions = (next_position + s.step - 1)[:, None]
         mask = _attend_mask(cache.valid, slot, 1)
-        hidden, cache = model.hidden_states(previous[:, None], positions, mask, cache, slot=slot)
+        hidden, cache = model.hidden_states(
+            previous[:, None], positions, mask, cache, slot=slot, use_lora=use_lora
+        )
         logits = model.logits(hidden[:, 0])
         token, logprob = _sample(logits, fold_in_rows(s.keys, s.step), temperature, params)
         token = jnp.where(s.done, 0, token)
@@ -321,6 +331,7 @@ def generate(
     eos_token_ids: Sequence[int] = (),
     seed: int = 0,
     keys: jax.Array | None = None,
+    adapter_ids: Sequence[int] | None = None,
     mesh: Mesh | None = None,
     prefill_chunk: int = 0,
     max_cache_tokens: int | None = None,
@@ -332,10 +343,13 @@ def generate(
     only, not on the other rows. `prefill_chunk` > 0 prefills prompts longer than it that many
     tokens at a time (the prompt bucket is then a multiple of it). `max_cache_tokens` bounds
     padded rows x cache slots of one call: a larger request batch is sampled in several calls.
+    A model with several LoRA adapters (per-module adapters) needs `adapter_ids`, the adapter
+    of each prompt; a batch may mix them.
     """
     if not prompts:
         return []
     check_arguments(prompts, model.config, max_new_tokens, temperature, top_p, top_k)
+    adapters = check_adapter_ids(model, adapter_ids, len(prompts))
     params = SamplingParams(
         greedy=temperature == 0,
         top_k=int(top_k),
@@ -357,10 +371,32 @@ def generate(
             temperature,
             params,
             keys[part],
+            None if adapters is None else adapters[part],
             mesh,
             prefill_chunk,
         )
     return completions
+
+
+def check_adapter_ids(
+    model: Decoder, adapter_ids: Sequence[int] | None, n: int
+) -> np.ndarray | None:
+    """The rows' adapter ids as an array, None for a model with one adapter (or none)."""
+    count = 1 if model.lora is None else model.lora.num_adapters
+    if adapter_ids is None:
+        if count > 1:
+            raise ValueError(
+                f"the model has {count} LoRA adapters {list(model.lora.adapter_names)}: pass "
+                "adapter_ids, one per prompt"
+            )
+        return None
+    ids = np.asarray(adapter_ids, np.int32)
+    if ids.shape != (n,):
+        raise ValueError(f"adapter_ids has shape {ids.shape}, want one per prompt ({n},)")
+    bad = ids[(ids < 0) | (ids >= count)]
+    if bad.size:
+        raise ValueError(f"adapter id {int(bad[0])} outside [0, {count}) for this model")
+    return ids if count > 1 else None
 
 
 def path_key(seed: int, path: Sequence[int]) -> jax.Array:
@@ -419,6 +455,7 @@ def _generate_batch(
     temperature: float,
     params: SamplingParams,
     keys: jax.Array,  # [n]
+    adapters: np.ndarray | None,  # [n] adapter ids; None: the model's one adapter (or none)
     mesh: Mesh | None,
     prefill_chunk: int,
 ) -> list[Completion]:
@@ -435,6 +472,10 @@ def _generate_batch(
     live = np.arange(batch) < n
     # batch padding rows draw (and discard) from copies of the first row's key
     keys = jnp.concatenate([keys, jnp.broadcast_to(keys[0], (batch - n,))])
+    if adapters is not None:  # padding rows: adapter 0
+        adapters = np.concatenate([adapters, np.zeros(batch - n, np.int32)])
+        if mesh is not None:
+            adapters = jax.device_put(adapters, batch_sharding(mesh, 1))
     if mesh is not None:
         tokens, valid, live, keys = (
             jax.device_put(a, batch_sharding(mesh, a.ndim)) for a in (tokens, valid, live, keys)
@@ -452,6 +493,7 @@ def _generate_batch(
         params,
         mesh,
         prefill_chunk,
+        adapters,
     )
     final = _decode(
         graphdef,
@@ -466,6 +508,7 @@ def _generate_batch(
         jnp.asarray(max_new_tokens, jnp.int32),
         params,
         new_bucket,
+        adapters,
     )
     out_tokens, out_logprobs, lengths = jax.device_get(
         (final.tokens, final.logprobs, final.lengths)

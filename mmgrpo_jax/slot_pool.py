@@ -50,6 +50,7 @@ class RowSampling:
     temperature: np.ndarray  # [n] float32, 0 = greedy
     top_k: np.ndarray  # [n] int32, 0 = off
     top_p: np.ndarray  # [n] float32, 1 = off
+    adapters: np.ndarray  # [n] int32 LoRA adapter ids (read by models with several adapters)
 
     @property
     def filters(self) -> RowFilters:
@@ -63,7 +64,11 @@ class RowSampling:
         """Row i of the result has row index[i]'s settings: a subset, or padding rows that
         copy a real row's (their samples are dropped)."""
         return RowSampling(
-            self.keys[index], self.temperature[index], self.top_k[index], self.top_p[index]
+            self.keys[index],
+            self.temperature[index],
+            self.top_k[index],
+            self.top_p[index],
+            self.adapters[index],
         )
 
     def padded(self, n: int) -> RowSampling:
@@ -290,8 +295,16 @@ def _row_sample(logits, keys, index, sampling: RowSampling, filters: RowFilters)
 
 
 jax.tree_util.register_dataclass(
-    RowSampling, data_fields=["keys", "temperature", "top_k", "top_p"], meta_fields=[]
+    RowSampling,
+    data_fields=["keys", "temperature", "top_k", "top_p", "adapters"],
+    meta_fields=[],
 )
+
+
+def _use_lora(model: Decoder, sampling: RowSampling) -> jax.Array | bool:
+    """The rows' adapter ids for a model with several adapters, else True."""
+    several = model.lora is not None and model.lora.num_adapters > 1
+    return jnp.asarray(sampling.adapters, jnp.int32) if several else True
 
 
 def _extend(
@@ -315,7 +328,9 @@ def _extend(
     positions = starts[:, None] + offsets
     queries = jnp.where(offsets < lengths[:, None], positions, -1)  # padding sees nothing
     mask = AttentionMask(queries, jnp.ones((n, cache.keys.shape[-1]), bool))
-    hidden, part = model.hidden_states(tokens, positions, mask, part, slot=starts)
+    hidden, part = model.hidden_states(
+        tokens, positions, mask, part, slot=starts, use_lora=_use_lora(model, sampling)
+    )
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     token, logprob = _row_sample(model.logits(last), sampling.keys, 0, sampling, filters)
     return _scatter(cache, rows, part), token, logprob
@@ -341,6 +356,7 @@ def _decode(
     cache = pool if pass_rows is None else _gather(pool, pass_rows, mesh)
     rows, slots = cache.keys.shape[1], cache.keys.shape[-1]
     stop = jnp.asarray(eos, jnp.int32)
+    use_lora = _use_lora(model, sampling)
     all_slots = jnp.ones((rows, slots), bool)
     if mesh is not None:
         kv = cache_sharding(mesh)
@@ -356,7 +372,7 @@ def _decode(
         # idle rows sit past the pool, so their writes drop
         mask = AttentionMask(filled[:, None], all_slots)
         hidden, cache = model.hidden_states(
-            previous[:, None], filled[:, None], mask, cache, slot=filled
+            previous[:, None], filled[:, None], mask, cache, slot=filled, use_lora=use_lora
         )
         token, logprob = _row_sample(
             model.logits(hidden[:, 0]), sampling.keys, generated, sampling, filters

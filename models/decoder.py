@@ -16,7 +16,7 @@ from flax import nnx
 
 from models.attention import AttentionConfig, AttentionMask, attend
 from models.config import ModelConfig, rope_inv_freq
-from models.lora import Linear, LoRAConfig
+from models.lora import Linear, LoRAConfig, UseLoRA
 
 
 class RMSNorm(nnx.Module):
@@ -63,7 +63,7 @@ class Attention(nnx.Module):
         cache: KVCache | None,  # every layer's cache; this block reads and writes `layer`'s
         layer: jax.Array | int,
         slot: jax.Array | int,  # first cache slot written by these T positions ([B]: per row)
-        use_lora: bool,
+        use_lora: UseLoRA,
         rngs: nnx.Rngs | None,  # LoRA dropout during training; None disables it
         attention: AttentionConfig,
     ) -> tuple[jax.Array, KVCache | None]:
@@ -128,7 +128,7 @@ class MLP(nnx.Module):
         self.up_proj = proj("up_proj", cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = proj("down_proj", cfg.intermediate_size, cfg.hidden_size)
 
-    def __call__(self, x: jax.Array, use_lora: bool, rngs: nnx.Rngs | None) -> jax.Array:
+    def __call__(self, x: jax.Array, use_lora: UseLoRA, rngs: nnx.Rngs | None) -> jax.Array:
         gated = jax.nn.silu(self.gate_proj(x, use_lora, rngs)) * self.up_proj(x, use_lora, rngs)
         return self.down_proj(gated, use_lora, rngs)
 
@@ -212,7 +212,7 @@ class Decoder(nnx.Module):
         mask: AttentionMask,
         cache: KVCache | None = None,
         slot: jax.Array | int = 0,
-        use_lora: bool = True,
+        use_lora: UseLoRA = True,
         rngs: nnx.Rngs | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         x = self.embed_tokens[...][input_ids]
@@ -256,7 +256,7 @@ class Decoder(nnx.Module):
         attention_mask: jax.Array | None = None,  # [B, T] 1 = real token, 0 = padding
         positions: jax.Array | None = None,  # [B, T]; default: count of real tokens so far
         segment_ids: jax.Array | None = None,  # [B, T] packed rows: attention stays within one
-        use_lora: bool = True,
+        use_lora: UseLoRA = True,
         rngs: nnx.Rngs | None = None,
     ) -> jax.Array:  # [B, T, D] after the final norm
         b, t = input_ids.shape
@@ -272,7 +272,7 @@ class Decoder(nnx.Module):
         input_ids: jax.Array,  # [B, T]
         positions: jax.Array | None = None,  # [B, T]; default: count of real tokens so far
         attention_mask: jax.Array | None = None,  # [B, T] 1 = real token, 0 = padding
-        use_lora: bool = True,
+        use_lora: UseLoRA = True,
         rngs: nnx.Rngs | None = None,  # a 'dropout' stream turns LoRA dropout on (training)
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:  # [B, T, V]

@@ -24,6 +24,7 @@ from models.sharding import path_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MODULES = "modules.json"  # per-module adapters: which predictors each adapter served
 
 
 def _lora_layers(model: Decoder) -> list[tuple[tuple, Linear]]:
@@ -47,14 +48,29 @@ def peft_key(path: tuple, factor: str) -> str:
 
 
 def save_peft_adapter(model: Decoder, directory: str | Path, base_model: str = "") -> Path:
+    """The adapter as a PEFT folder; with per-module adapters, one PEFT folder per adapter under
+    `directory` (named after it) and `modules.json`, the predictor patterns that chose them."""
     lora = _require_lora(model)
     directory = Path(directory)
+    if lora.num_adapters == 1:
+        return _save_one(model, lora, directory, base_model, 0)
+    for index, name in enumerate(lora.adapter_names):
+        _save_one(model, lora, directory / name, base_model, index)
+    modules = {"modules": list(lora.modules), "adapters": list(lora.adapter_names)}
+    (directory / MODULES).write_text(json.dumps(modules, indent=2))
+    return directory
+
+
+def _save_one(
+    model: Decoder, lora: LoRAConfig, directory: Path, base_model: str, adapter: int
+) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for path, layer in _lora_layers(model):
         for factor, param in (("A", layer.lora_a), ("B", layer.lora_b)):
-            for layer_path, value in _per_layer(path, np.asarray(jax.device_get(param[...]))):
-                tensors[peft_key(layer_path, factor)] = value.T.copy()
+            value = _one_adapter(path, np.asarray(jax.device_get(param[...])), lora, adapter)
+            for layer_path, per_layer in _per_layer(path, value):
+                tensors[peft_key(layer_path, factor)] = per_layer.T.copy()
     save_file(tensors, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",
@@ -75,24 +91,62 @@ def save_peft_adapter(model: Decoder, directory: str | Path, base_model: str = "
     return directory
 
 
+def _adapter_axis(path: tuple) -> int:
+    """Where a stacked LoRA factor keeps its adapter axis: after the layer axis of a block."""
+    return 1 if path and path[0] == "layers" else 0
+
+
+def _one_adapter(path: tuple, value: np.ndarray, lora: LoRAConfig, adapter: int) -> np.ndarray:
+    if lora.num_adapters == 1:
+        return value
+    return np.take(value, adapter, axis=_adapter_axis(path))
+
+
 def adapter_lora_config(directory: str | Path) -> LoRAConfig:
-    """The LoRAConfig a saved PEFT adapter was trained with: build the model with it, then load."""
-    path = Path(directory) / ADAPTER_CONFIG
+    """The LoRAConfig a saved PEFT adapter (or a per-module adapters folder) was trained with:
+    build the model with it, then load."""
+    directory = Path(directory)
+    modules = _modules(directory)
+    first = directory if modules is None else directory / modules["adapters"][0]
+    path = first / ADAPTER_CONFIG
     if not path.is_file():
-        raise FileNotFoundError(f"no {ADAPTER_CONFIG} in {str(directory)!r}")
+        raise FileNotFoundError(f"no {ADAPTER_CONFIG} in {str(first)!r}")
     config = json.loads(path.read_text())
     return LoRAConfig(
         rank=int(config["r"]),
         alpha=float(config["lora_alpha"]),
         targets=tuple(config["target_modules"]),
         dropout=float(config.get("lora_dropout") or 0.0),
+        modules=() if modules is None else tuple(modules["modules"]),
     )
 
 
+def _modules(directory: Path) -> dict | None:
+    path = directory / MODULES
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def load_peft_adapter(model: Decoder, directory: str | Path) -> Decoder:
-    """Copy a PEFT adapter into `model`'s LoRA parameters (in place; sharding kept)."""
+    """Copy a PEFT adapter (per-module adapters: the folder `save_peft_adapter` wrote) into
+    `model`'s LoRA parameters (in place; sharding kept)."""
     lora = _require_lora(model)
     directory = Path(directory)
+    modules = _modules(directory)
+    names = None if modules is None else tuple(modules["adapters"])
+    if lora.num_adapters > 1 or names is not None:
+        if names != lora.adapter_names:
+            raise ValueError(
+                f"{str(directory)!r} holds adapters {names}, the model has "
+                f"{list(lora.adapter_names)}; build it with adapter_lora_config(directory)"
+            )
+        for index, name in enumerate(names):
+            _load_one(model, lora, directory / name, index)
+        return model
+    _load_one(model, lora, directory, 0)
+    return model
+
+
+def _load_one(model: Decoder, lora: LoRAConfig, directory: Path, adapter: int) -> None:
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (directory / name).is_file():
             raise FileNotFoundError(f"no {name} in {str(directory)!r}")
@@ -109,9 +163,10 @@ def load_peft_adapter(model: Decoder, directory: str | Path) -> Decoder:
     for path, layer in _lora_layers(model):
         for factor, param in (("A", layer.lora_a), ("B", layer.lora_b)):
             current = param[...]
+            shape = _one_adapter(path, np.empty(current.shape, np.int8), lora, adapter).shape
             stacked = path[0] == "layers"
             parts = []
-            for layer_path, want in _per_layer(path, np.empty(current.shape, np.int8)):
+            for layer_path, want in _per_layer(path, np.empty(shape, np.int8)):
                 key = peft_key(layer_path, factor)
                 if key not in tensors:
                     raise KeyError(f"adapter tensor {key!r} is missing from {str(directory)!r}")
@@ -123,14 +178,20 @@ def load_peft_adapter(model: Decoder, directory: str | Path) -> Decoder:
                     )
                 parts.append(value)
             value = np.stack(parts) if stacked else parts[0]
+            if lora.num_adapters > 1:  # this adapter's slice of the stack
+                whole = np.array(jax.device_get(current))
+                index = [slice(None)] * whole.ndim
+                index[_adapter_axis(path)] = adapter
+                whole[tuple(index)] = value
+                value = whole
             param[...] = jax.device_put(jnp.asarray(value, current.dtype), current.sharding)
     if tensors:
         raise ValueError(f"adapter tensors with no LoRA layer in the model: {sorted(tensors)[:8]}")
-    return model
 
 
-def merge_lora(model: Decoder) -> Decoder:
-    """A LoRA-free Decoder whose kernels are W + (alpha/r) A B; other weights are shared."""
+def merge_lora(model: Decoder, adapter: int = 0) -> Decoder:
+    """A LoRA-free Decoder whose kernels are W + (alpha/r) A B (of adapter `adapter`, with
+    per-module adapters); other weights are shared."""
     abstract = nnx.eval_shape(lambda: Decoder(model.config, dtype=model.dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     merged = []
@@ -141,7 +202,7 @@ def merge_lora(model: Decoder) -> Decoder:
             model,
         )
         if path[-1] == "kernel":
-            value = owner.merged_kernel()
+            value = owner.merged_kernel(adapter)
         else:
             value = getattr(owner, str(path[-1]))[...]
         merged.append((path, var.replace(value)))

@@ -74,7 +74,10 @@ def _checked(name: str, shape: Sequence[int], spec: P, mesh: Mesh) -> NamedShard
 
 
 def param_sharding(path: Sequence[object], shape: Sequence[int], mesh: Mesh) -> NamedSharding:
-    return _checked(path_name(path), shape, param_spec(path), mesh)
+    spec = param_spec(path)
+    if path and path[-1] in ("lora_a", "lora_b") and len(shape) == len(spec) + 1:
+        spec = P(*spec[:-2], None, *spec[-2:])  # stacked adapters: the adapter axis stays whole
+    return _checked(path_name(path), shape, spec, mesh)
 
 
 def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:

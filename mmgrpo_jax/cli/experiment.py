@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from mmgrpo_jax import parallel
 from mmgrpo_jax.config_files import build_config, config_to_dict, config_tree
 from mmgrpo_jax.engines.base import Sampling
-from mmgrpo_jax.engines.lm import EngineLM
+from mmgrpo_jax.engines.lm import EngineLM, module_adapters
 from mmgrpo_jax.errors import UserError, check_field_types
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.module import Module
@@ -167,6 +167,7 @@ class Policy:
             self.tokenizer,
             sampling=Sampling(sampler.max_completion_tokens, temperature=0.0),
             max_prompt_tokens=sampler.max_prompt_tokens,
+            adapter_of=module_adapters(self.model),
         )
         try:
             self.task = build_task(cfg.task, self.frozen)

@@ -51,6 +51,7 @@ class Request:
     # and the engine's seed, so a sample does not depend on batch composition, timing, the
     # number of processes or resumption; None draws from the engine's own stream
     key_path: tuple[int, ...] | None = None
+    adapter: int = 0  # the LoRA adapter that serves it: its module's (per-module adapters)
 
 
 @dataclasses.dataclass

@@ -196,17 +196,19 @@ class ContinuousEngine(LocalEngine):
         waiting = [(p, k) for p, k in waiting if not p.future.done()]
         while waiting:
             plans, later = [], []
-            wave_prompts: list[np.ndarray] = []
+            wave_prompts: list[tuple[Any, np.ndarray]] = []  # (share group, prompt)
             for pending, key in waiting:
                 prompt = np.asarray(pending.request.prompt_ids)
-                source, shared = self._best_source(prompt, _share_group(pending.request))
+                group = _share_group(pending.request)
+                source, shared = self._best_source(prompt, group)
                 # waiting a wave pays when a request of this wave holds much more of the prompt
-                gain = max((_common(prompt, other) for other in wave_prompts), default=0) - shared
+                common = (_common(prompt, other) for g, other in wave_prompts if g == group)
+                gain = max(common, default=0) - shared
                 if self.prefix_sharing and gain >= min(MIN_WAIT_GAIN, len(prompt) // 2) > 0:
                     later.append((pending, key))
                     continue
                 plans.append((pending, key, source, shared))
-                wave_prompts.append(prompt)
+                wave_prompts.append((group, prompt))
             # a slot another request of this wave copies from is not rewritten in this wave (a
             # chunked prefill would overwrite it before the copy)
             sources = {source for _, _, source, shared in plans if shared}
@@ -363,10 +365,11 @@ class ContinuousEngine(LocalEngine):
 
 def _share_group(request: Request) -> Any:
     """Requests share caches only within a group: the step of a keyed request (its key path's
-    first entry), or all unkeyed ones. A shared prefix rounds its cache slightly differently
-    from a whole prefill, so what a training step samples must not depend on what came before
-    it (an evaluation, the steps before a resume): it depends on its own requests only."""
-    return None if request.key_path is None else request.key_path[0]
+    first entry), or all unkeyed ones, and one adapter (another adapter's keys and values of
+    the same tokens differ). A shared prefix rounds its cache slightly differently from a whole
+    prefill, so what a training step samples must not depend on what came before it (an
+    evaluation, the steps before a resume): it depends on its own requests only."""
+    return (None if request.key_path is None else request.key_path[0], request.adapter)
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:
@@ -383,4 +386,5 @@ def _row_sampling(pendings: Sequence[Pending], keys: Sequence) -> RowSampling:
         temperature=np.array([s.temperature for s in settings], np.float32),
         top_k=np.array([s.top_k for s in settings], np.int32),
         top_p=np.array([s.top_p for s in settings], np.float32),
+        adapters=np.array([p.request.adapter for p in pendings], np.int32),
     )

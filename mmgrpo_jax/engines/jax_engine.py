@@ -108,6 +108,7 @@ class JaxEngine(LocalEngine):
                 top_k=settings.top_k,
                 eos_token_ids=self.stop_token_ids,
                 keys=self._keys(batch, seed),
+                adapter_ids=[p.request.adapter for p in batch] if self.num_adapters > 1 else None,
                 mesh=self.mesh,
                 prefill_chunk=self.prefill_chunk,
                 max_cache_tokens=self.max_cache_tokens,

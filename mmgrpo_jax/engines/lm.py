@@ -3,13 +3,14 @@
 `EngineLM(engine, tokenizer, sampling=...)` renders a call's messages with the tokenizer's chat
 template, submits one request (ordered by the calling rollout's trace key) and waits for it; the
 output carries the exact sampled ids and log-probs into the trace. `EngineLM.local(model, ...)`
-builds (and owns) a `JaxEngine` on a local policy.
+builds (and owns) a `JaxEngine` on a local policy. With per-module adapters, `adapter_of` names
+the adapter of the predictor making the call (`LoRAConfig.adapter_id`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax.sharding import Mesh
@@ -35,8 +36,12 @@ class EngineLM:
         sampling: Sampling,
         max_prompt_tokens: int | None = None,
         owns_engine: bool = False,
+        adapter_of: Callable[[str], int] | None = None,
+        adapter: int = 0,
     ) -> None:
         self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
+        # per-module adapters: route each call by its predictor, or serve one adapter throughout
+        self.adapter_of, self.adapter = adapter_of, adapter
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1 or None, got {max_prompt_tokens}")
         self.max_prompt_tokens = max_prompt_tokens
@@ -55,8 +60,14 @@ class EngineLM:
         max_wait_s: float = 0.05,
         seed: int = 0,
         mesh: Mesh | None = None,
+        adapter_of: Callable[[str], int] | None = None,
+        adapter: int | None = None,
     ) -> EngineLM:
-        """An LM on its own JaxEngine over `model` (closed with the LM)."""
+        """An LM on its own JaxEngine over `model` (closed with the LM). A model with several
+        adapters routes each call by its LoRA config's module patterns, unless `adapter_of`
+        routes otherwise or `adapter` names the one adapter every call uses."""
+        if adapter is None:
+            adapter_of = adapter_of or module_adapters(model)
         engine = JaxEngine(
             model,
             stop_token_ids=stop_token_ids,
@@ -71,6 +82,8 @@ class EngineLM:
             sampling=sampling,
             max_prompt_tokens=max_prompt_tokens,
             owns_engine=True,
+            adapter_of=adapter_of,
+            adapter=adapter or 0,
         )
 
     def __call__(self, messages: Sequence[dict[str, str]], **sampling: Any) -> LMOutput:
@@ -88,7 +101,7 @@ class EngineLM:
         call = 0 if trace is None else trace.next_call()
         order = None if trace is None or trace.key is None else (*trace.key, call)
         key_path = None if trace is None or trace.key_path is None else (*trace.key_path, call)
-        request = Request(tuple(prompt), settings, order, key_path)
+        request = Request(tuple(prompt), settings, order, key_path, self._adapter())
         completion = self.engine.submit(request).result()
         ids = completion.token_ids
         body = ids[:-1] if completion.finish_reason == "stop" else ids
@@ -99,6 +112,19 @@ class EngineLM:
             logprobs=tuple(completion.logprobs),
             finish_reason=completion.finish_reason,
         )
+
+    def _adapter(self) -> int:
+        """The adapter of the predictor calling (the fixed one without routing)."""
+        if self.adapter_of is None:
+            return self.adapter
+        predictor = current().predictor
+        if predictor is None:
+            raise RuntimeError(
+                "this LM routes calls to per-module adapters (adapter_of) and was called "
+                "outside a traced predictor call, so no module names the adapter; call it from "
+                "a program's predictor inside record_trace, or build it with adapter=<id>"
+            )
+        return self.adapter_of(predictor)
 
     @property
     def stats(self) -> EngineStats:
@@ -114,3 +140,11 @@ class EngineLM:
     def close(self) -> None:
         if self._owns_engine:
             self.engine.close()
+
+
+def module_adapters(model: Decoder) -> Callable[[str], int] | None:
+    """A predictor name's adapter id on a model with per-module adapters (its LoRA config's
+    module patterns); None with one adapter or none, where every call uses the same weights."""
+    if model.lora is None or model.lora.num_adapters == 1:
+        return None
+    return model.lora.adapter_id

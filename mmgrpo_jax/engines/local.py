@@ -65,6 +65,7 @@ class LocalEngine:
         self._graphdef = graphdef
         self._weights, self._rest = jax.tree.map(lambda x: x, (weights, rest))
         self.model_config = model.config
+        self.num_adapters = 1 if model.lora is None else model.lora.num_adapters
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_batch, self.max_wait_s = max_batch, max_wait_s
         self._stats = EngineStats(max_batch=max_batch)
@@ -83,6 +84,11 @@ class LocalEngine:
 
     # -- the engine protocol ---------------------------------------------------------------
     def submit(self, request: Request) -> Future:
+        if not 0 <= request.adapter < self.num_adapters:
+            raise ValueError(
+                f"request for adapter {request.adapter}; this engine's model has "
+                f"{self.num_adapters} adapter(s)"
+            )
         future: Future = Future()
         with self._cond:
             if self._closed:

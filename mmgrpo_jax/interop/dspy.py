@@ -44,7 +44,7 @@ from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM, LMOutput
 from mmgrpo_jax.program.module import Module, check_call
 from mmgrpo_jax.program.signature import Field, Signature
-from mmgrpo_jax.program.trace import CallRecord, RunContext, current
+from mmgrpo_jax.program.trace import CallRecord, RunContext, calling, current
 from mmgrpo_jax.rl.types import Metric
 from models.export import adapter_lora_config, load_peft_adapter
 from models.hf import load_checkpoint
@@ -157,14 +157,18 @@ class PolicyLM(dspy.LM):
         max_tokens: int = 256,
         temperature: float = 0.0,
         source: Mapping[str, Any] | None = None,
+        adapter_name: str | None = None,
         **kwargs: Any,
     ) -> PolicyLM:
-        """A PolicyLM on its own JaxEngine over a local Decoder (greedy by default)."""
+        """A PolicyLM on its own JaxEngine over a local Decoder (greedy by default). On a model
+        with per-module adapters, `adapter_name` is the one adapter it serves (the LM of one
+        predictor: DSPy does not tell an LM which predictor calls it)."""
         lm = EngineLM.local(
             model,
             tokenizer,
             sampling=Sampling(max_new_tokens=max_tokens, temperature=temperature),
             stop_token_ids=stop_token_ids,
+            adapter=_adapter_index(model, adapter_name),
         )
         engine = PolicyEngine(lm, source=source)
         return cls(engine=engine, max_tokens=max_tokens, temperature=temperature, **kwargs)
@@ -177,12 +181,14 @@ class PolicyLM(dspy.LM):
         adapter: str | Path | None = None,
         dtype: str = "float32",
         max_tokens: int = 256,
+        adapter_name: str | None = None,
         **kwargs: Any,
     ) -> PolicyLM:
-        """A PolicyLM on a checkpoint (folder or GGUF) and optionally a PEFT adapter folder;
-        the policy loads on the first call."""
+        """A PolicyLM on a checkpoint (folder or GGUF) and optionally a PEFT adapter folder
+        (with per-module adapters: `adapter_name`, the one it serves); the policy loads on the
+        first call."""
         source = {"model_path": str(path), "adapter": None if adapter is None else str(adapter)}
-        source.update(dtype=dtype, max_tokens=max_tokens)
+        source.update(dtype=dtype, max_tokens=max_tokens, adapter_name=adapter_name)
         kwargs.setdefault("temperature", 0.0)
         return cls(engine=PolicyEngine(source=source), max_tokens=max_tokens, **kwargs)
 
@@ -207,7 +213,19 @@ def _load_policy(source: Mapping[str, Any]) -> LM:
     if adapter is not None:
         load_peft_adapter(model, adapter)
     sampling = Sampling(max_new_tokens=int(source.get("max_tokens", 256)), temperature=0.0)
-    return EngineLM.local(model, tokenizer, sampling=sampling, stop_token_ids=stop)
+    adapter = _adapter_index(model, source.get("adapter_name"))
+    return EngineLM.local(model, tokenizer, sampling=sampling, stop_token_ids=stop, adapter=adapter)
+
+
+def _adapter_index(model: Any, name: str | None) -> int | None:
+    """The id of adapter `name`, which every call then uses (None: the model's own routing,
+    which needs a traced predictor call when it has several adapters)."""
+    if name is None:
+        return None
+    names = () if model.lora is None else model.lora.adapter_names
+    if name not in names:
+        raise ValueError(f"adapter_name={name!r} is not one of the policy's adapters {list(names)}")
+    return names.index(name)
 
 
 def _chat_messages(request: Any) -> list[dict[str, str]]:
@@ -311,7 +329,8 @@ class _OpenCall:
             )
         recorded = run.trace.replay.get((self.name, self.invocation))
         if recorded is None:
-            output = lm(messages, **sampling)
+            with calling(self.name):
+                output = lm(messages, **sampling)
         elif tuple(messages) != recorded.messages:
             raise RuntimeError(
                 f"branch replay diverged at {self.name}[{self.invocation}]: the program asked "
@@ -575,8 +594,9 @@ def is_dspy_module(program: Any) -> bool:
 
 def train(trainer: Any, program: Any, trainset: Sequence[Any], valset: Sequence[Any]) -> Any:
     """`MMGRPO.compile` on a DSPy program: train through `DSPyProgram`, then give back a deep
-    copy of the program whose predictors' LM is the trained policy (greedy), saved the DSPy way
-    as `<run_dir>/program.json` beside the PEFT adapter."""
+    copy of the program whose predictors' LM is the trained policy (greedy; with per-module
+    adapters each predictor's LM serves its own adapter), saved the DSPy way as
+    `<run_dir>/program.json` beside the PEFT adapter."""
     wrapped = DSPyProgram(program)
     wrapped.check_policy()
     metric = trainer.metric
@@ -594,14 +614,22 @@ def train(trainer: Any, program: Any, trainset: Sequence[Any], valset: Sequence[
         source = {"model_path": str(cfg.model_path), "adapter": str(run_dir / "adapter")}
         source.update(dtype=str(cfg.dtype), max_tokens=cfg.sampler.max_completion_tokens)
     trained = program.deepcopy()
-    policy = PolicyLM.local(
-        trainer.model,
-        trainer.tokenizer,
-        trainer.stop_token_ids,
-        max_tokens=cfg.sampler.max_completion_tokens,
-        source=source,
-    )
-    trained.set_lm(policy)
+
+    def policy(adapter_name: str | None = None) -> PolicyLM:
+        return PolicyLM.local(
+            trainer.model,
+            trainer.tokenizer,
+            trainer.stop_token_ids,
+            max_tokens=cfg.sampler.max_completion_tokens,
+            source=None if source is None else {**source, "adapter_name": adapter_name},
+            adapter_name=adapter_name,
+        )
+
+    if cfg.per_module_adapters:  # each predictor's LM serves its module's adapter
+        for name, predictor in trained.named_predictors():
+            predictor.lm = policy(cfg.lora.adapter_names[cfg.lora.adapter_id(name)])
+    else:
+        trained.set_lm(policy())
     if parallel.is_main_process():
         trained.save(str(run_dir / "program.json"))
     return trained

@@ -18,7 +18,7 @@ from mmgrpo_jax.program import adapter
 from mmgrpo_jax.program.example import Prediction
 from mmgrpo_jax.program.lm import LM, LMOutput
 from mmgrpo_jax.program.signature import Field, Signature, ensure_signature
-from mmgrpo_jax.program.trace import CallRecord, current
+from mmgrpo_jax.program.trace import CallRecord, calling, current
 
 REASONING = Field("reasoning", str, "Think step by step before giving the other outputs.")
 
@@ -180,6 +180,9 @@ class Predict(Module):
                     "its LM's replies?)"
                 )
             output = replayed.output
+        elif trace is not None:
+            with calling(name):
+                output = lm(messages, **self.sampling)
         else:
             output = lm(messages, **self.sampling)
         if not isinstance(output, LMOutput):

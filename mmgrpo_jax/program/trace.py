@@ -137,6 +137,9 @@ class Trace:
 class RunContext:
     trace: Trace | None
     lm: LM | None
+    # the traced predictor whose LM call is in progress: lets an LM serve each module with its
+    # own weights (per-module adapters)
+    predictor: str | None = None
 
 
 _CONTEXT: contextvars.ContextVar[RunContext] = contextvars.ContextVar(
@@ -153,6 +156,16 @@ def current() -> RunContext:
 def using_lm(lm: LM) -> Iterator[None]:
     """Run predictors without their own LM on `lm` in this context (thread)."""
     token = _CONTEXT.set(dataclasses.replace(_CONTEXT.get(), lm=lm))
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+@contextlib.contextmanager
+def calling(predictor: str) -> Iterator[None]:
+    """Mark the LM calls made in this context (thread) as `predictor`'s."""
+    token = _CONTEXT.set(dataclasses.replace(_CONTEXT.get(), predictor=predictor))
     try:
         yield
     finally:

@@ -6,15 +6,17 @@ loss's sequence-level aggregations (its own, its group member's with a "trajecto
 rule, or its rollout's or example's with `MMGRPOConfig.loss_unit`). Rows are right-padded into
 [M, b, L] micro-batches whose length L is bucketed; a unit never spans two micro-batches; the
 loss mask covers completion targets only. A new per-token input for a loss is one field of
-`Batch`, filled in `pack_rows` and read by name in the loss (`TokenInputs.batch`). Shapes: M
-micro-batches, b rows each, L tokens.
+`Batch`, filled in `pack_rows` and read by name in the loss (`TokenInputs.batch`). With
+per-module adapters every row carries its module's adapter id (`Batch.adapter_ids`), so one
+pass over a mixed batch trains each adapter on its own module's rows. Shapes: M micro-batches,
+b rows each, L tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, get_args
 
 import flax.struct
@@ -51,10 +53,13 @@ class Row:
     unit: int = -1  # rows sharing a unit id >= 0 are one sequence of the loss; -1: its own
     sampler_logprobs: tuple[float, ...] | None = None
     in_loss: bool = True  # False: a truncated completion kept only as a fully masked row
+    adapter: int = 0  # the LoRA adapter of the row's module (per-module adapters)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("a training row needs at least one prompt token")
+        if self.adapter < 0:
+            raise ValueError(f"a row's adapter id must be >= 0, got {self.adapter}")
 
 
 def rows_from_groups(
@@ -63,8 +68,10 @@ def rows_from_groups(
     *,
     unit: RowUnit = "row",
     mask_truncated_completions: bool = False,
+    adapter_of: Callable[[str], int] | None = None,
 ) -> list[Row]:
-    """One row per (member, call): the exact sampled ids, the member's advantage.
+    """One row per (member, call): the exact sampled ids, the member's advantage, and the
+    adapter `adapter_of(predictor name)` of its module (0 without per-module adapters).
 
     The unit says which rows the loss normalises together. `"row"`: every row alone.
     `"trajectory"` (a grouping rule's): every group member is one unit with its own id, so a
@@ -114,6 +121,7 @@ def rows_from_groups(
                     len(rows) if member_unit is None else member_unit,
                     call.logprobs,
                     in_loss=not (mask_truncated_completions and truncated),
+                    adapter=0 if adapter_of is None else adapter_of(call.predictor),
                 )
             )
     return rows
@@ -139,6 +147,13 @@ class Batch:
     positions: jax.Array | None = None  # [M, P, Lp] restarting at 0 in every row
     segments: jax.Array | None = None  # [M, P, Lp] which row of the sequence; -1 = padding
     row_index: jax.Array | None = None  # [M, b, L-1] flat index into [P * (Lp - 1)] log-probs
+    # per-module adapters: each row's adapter id (padding rows 0); None with one adapter
+    adapter_ids: jax.Array | None = None  # [M, b]
+
+    @property
+    def use_lora(self) -> jax.Array | bool:
+        """What the model's `use_lora` takes for these rows: their adapter ids, or True."""
+        return True if self.adapter_ids is None else self.adapter_ids
 
     @property
     def padding_fraction(self) -> float:
@@ -246,6 +261,7 @@ def pack_rows(
     micro_batch_size: int,
     pack_length: int | None = None,
     row_multiple: int = 1,
+    num_adapters: int = 1,
 ) -> Batch:
     """Right-padded micro-batches laid out by `micro_batch_layout`; unit ids renumbered.
 
@@ -255,8 +271,19 @@ def pack_rows(
     restart per row, and the per-row fields (loss mask, advantages, units, sampler log-probs)
     are the same arrays as without packing, so the loss and its normalisers are unchanged
     (except bnpo's per-micro-batch token mean, which the config refuses to pack). The rows axis
-    of every field is a multiple of `row_multiple` (the devices it splits over).
+    of every field is a multiple of `row_multiple` (the devices it splits over). With
+    `num_adapters` > 1 the batch carries each row's adapter id; packing is then refused (a
+    packed sequence would mix adapters within one row of the forward pass).
     """
+    if num_adapters > 1 and pack_length is not None:
+        raise ValueError(
+            f"memory.pack_length={pack_length} packs rows of different modules into one "
+            f"sequence, which one of {num_adapters} adapters cannot serve; with per-module "
+            "adapters (lora.modules) set memory.pack_length=0"
+        )
+    beyond = [r.adapter for r in rows if r.adapter >= num_adapters]
+    if beyond:
+        raise ValueError(f"a row's adapter id {beyond[0]} is not below num_adapters={num_adapters}")
     if micro_batch_size % row_multiple:
         raise ValueError(
             f"micro_batch_size={micro_batch_size} does not split over {row_multiple} devices "
@@ -279,6 +306,7 @@ def pack_rows(
     has_sampler_logps = np.zeros(shape, bool)
     advantages = np.zeros(shape, np.float32)
     unit_ids = np.full(shape, -1, np.int32)
+    adapter_ids = np.zeros(shape, np.int32)
     for m, chunk in enumerate(layout):
         local: dict[tuple[bool, int], int] = {}
         for i, k in enumerate(chunk):
@@ -291,6 +319,7 @@ def pack_rows(
                 sampler_logps[m, i, p - 1 : p + c - 1] = row.sampler_logprobs
                 has_sampler_logps[m, i] = True
             advantages[m, i] = row.advantage
+            adapter_ids[m, i] = row.adapter
             unit_ids[m, i] = local.setdefault(_unit_key(row, k), len(local))
     units = len(_units(rows))
     completion_tokens = sum(len(r.completion_ids) for r in rows if r.in_loss)
@@ -307,6 +336,7 @@ def pack_rows(
         has_sampler_logps=jnp.asarray(has_sampler_logps),
         num_sequences=jnp.full(shape[:1], units, jnp.float32),
         num_tokens=jnp.full(shape[:1], completion_tokens, jnp.float32),
+        adapter_ids=jnp.asarray(adapter_ids) if num_adapters > 1 else None,
         **{k: jnp.asarray(v) for k, v in packed.items()},
     )
 

@@ -23,6 +23,7 @@ from flax import nnx
 from mmgrpo_jax.rl.batch import Batch
 from mmgrpo_jax.rl.losses import LossConfig, policy_loss
 from models.decoder import Decoder
+from models.lora import UseLoRA
 from models.sharding import replicated
 
 
@@ -74,7 +75,7 @@ def token_logprobs(
     tokens: jax.Array,  # [b, L]
     valid: jax.Array,  # [b, L]
     temperature: float,
-    use_lora: bool = True,
+    use_lora: UseLoRA = True,
     rngs: nnx.Rngs | None = None,
     *,
     logits_chunk: int = 0,
@@ -94,13 +95,14 @@ def batch_logprobs(
     rngs: nnx.Rngs | None = None,
     logits_chunk: int = 0,
 ) -> jax.Array:  # [b, L-1] in the micro-batch's row layout, packed or not
-    """A micro-batch's target log-probs; packed sequences are unpacked into their rows."""
+    """A micro-batch's target log-probs; packed sequences are unpacked into their rows.
+    `use_lora=True` runs each row on its own adapter (`Batch.use_lora`), False on the base."""
     logps = token_logprobs(
         model,
         micro.tokens,
         micro.valid,
         temperature,
-        use_lora,
+        micro.use_lora if use_lora else False,
         rngs,
         logits_chunk=logits_chunk,
         positions=micro.positions,

@@ -266,6 +266,17 @@ class MMGRPOConfig:
                 f"{self.loss.variant!r}: its per-micro-batch token mean depends on which rows "
                 "share a micro-batch, which packing changes; set pack_length=0"
             )
+        if pack and self.per_module_adapters:
+            raise ValueError(
+                f"MMGRPOConfig.memory.pack_length={pack} with per-module adapters (lora.modules="
+                f"{list(self.lora.modules)}): a packed sequence would mix modules, which one "
+                "adapter cannot serve; set pack_length=0"
+            )
+        if self.lora.modules and self.train != "lora":
+            raise ValueError(
+                f"MMGRPOConfig.lora.modules={list(self.lora.modules)} needs train='lora', got "
+                f"{self.train!r}"
+            )
         shards = self.parallel.row_shards
         if shards is not None and self.optim.micro_batch_size % shards:
             raise ValueError(
@@ -279,6 +290,11 @@ class MMGRPOConfig:
                 f"sampler.max_completion_tokens={self.sampler.max_completion_tokens}; leave it "
                 "unset (it follows the sampler) or make them equal"
             )
+
+    @property
+    def per_module_adapters(self) -> bool:
+        """Whether modules train adapters of their own (several, `lora.modules`)."""
+        return self.train == "lora" and self.lora.num_adapters > 1
 
     @property
     def trainable(self) -> Any:

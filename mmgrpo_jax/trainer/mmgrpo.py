@@ -433,6 +433,15 @@ class MMGRPO:
             raise ValueError("a model passed in needs its tokenizer and stop_token_ids too")
         if config.train == "lora" and model.lora is None:
             raise ValueError("train='lora' needs a model built with a LoRA adapter (lora=...)")
+        per_module = config.per_module_adapters or (
+            config.train == "lora" and model.lora.num_adapters > 1
+        )
+        if per_module and model.lora.rules != config.lora.rules:
+            raise ValueError(
+                f"the model's LoRA modules {list(model.lora.modules)} are not the config's "
+                f"{list(config.lora.modules)} (lora.modules routes each predictor to its "
+                "adapter); build the model with the config's LoRAConfig"
+            )
         # static parts of the model's graph: the train step, the log-prob pass and the default
         # engine (split in compile) run with them; an engine passed in was split before
         apply_memory_settings(model, config)
@@ -546,6 +555,7 @@ class MMGRPO:
             advantages,
             unit=cfg.row_unit,
             mask_truncated_completions=cfg.mask_truncated_completions,
+            adapter_of=self._adapter_of,
         )
         engine = lm.stats.since(stats_before)  # this step's rollouts only
         return _StepRollouts(trajectories, groups, advantages, rows, seconds, engine)
@@ -561,7 +571,13 @@ class MMGRPO:
             start = time.perf_counter()
             pack_length = cfg.memory.pack_length or None
             shards = batch_multiple(self.mesh)
-            batch = pack_rows(rollouts.rows, cfg.optim.micro_batch_size, pack_length, shards)
+            batch = pack_rows(
+                rollouts.rows,
+                cfg.optim.micro_batch_size,
+                pack_length,
+                shards,
+                num_adapters=cfg.lora.num_adapters if cfg.per_module_adapters else 1,
+            )
             padding = batch.padding_fraction
             seconds["pack"] = time.perf_counter() - start
             compiles = learner.compiles()
@@ -654,6 +670,11 @@ class MMGRPO:
                 f"trainset ({len(trainset)} examples)"
             )
         predictors = [name for name, _ in program.named_predictors()]
+        if cfg.per_module_adapters:
+            try:
+                cfg.lora.check_predictors(predictors)
+            except ValueError as err:
+                raise UserError(str(err)) from None
         if cfg.grouping == "branch" and cfg.branch_module not in predictors:
             raise UserError(
                 f"MMGRPOConfig.branch_module={cfg.branch_module!r} is not a predictor of the "
@@ -719,9 +740,20 @@ class MMGRPO:
         sampling = Sampling(s.max_completion_tokens, s.temperature, s.top_p)
         greedy = dataclasses.replace(sampling, temperature=0.0)
         return tuple(
-            EngineLM(engine, self.tokenizer, sampling=x, max_prompt_tokens=s.max_prompt_tokens)
+            EngineLM(
+                engine,
+                self.tokenizer,
+                sampling=x,
+                max_prompt_tokens=s.max_prompt_tokens,
+                adapter_of=self._adapter_of,
+            )
             for x in (sampling, greedy)
         )
+
+    @property
+    def _adapter_of(self) -> Callable[[str], int] | None:
+        """A predictor's adapter id with per-module adapters (else every call uses the one)."""
+        return self.config.lora.adapter_id if self.config.per_module_adapters else None
 
     def _progress(self, start: int) -> tqdm:
         cfg = self.config

@@ -1,5 +1,6 @@
 """The continuous engine returns what one-request-at-a-time sampling returns (DESIGN 9, 10)."""
 
+import dataclasses
 import time
 
 import jax.numpy as jnp
@@ -11,7 +12,9 @@ from mmgrpo_jax.engines.continuous import ContinuousEngine
 from mmgrpo_jax.sampling import generate, path_key
 from mmgrpo_jax.testing import tiny_decoder
 from models.hf import from_pretrained
+from models.lora import LoRAConfig
 from tests.models.hf_fixtures import VOCAB, load_hf
+from tests.models.test_lora import perturb, single_adapter
 from tests.test_sampling import hf_greedy
 
 STOP = 3
@@ -282,3 +285,44 @@ def test_a_few_live_requests_decode_a_bucket_of_rows_not_the_pool(model):
         )
         assert_same([completion], [want])
     eng.close()
+
+
+def test_requests_of_different_adapters_share_the_pool_and_sample_as_alone():
+    """Per-module adapters: one pool serves rows of both adapters in the same passes; each
+    request gets what its adapter's single-adapter model samples alone (greedy: the same ids),
+    and what `generate` samples with the same key and adapter (sampled)."""
+    lora = LoRAConfig(rank=4, alpha=8.0, modules=("a*=first", "*=second"))
+    model = perturb(tiny_decoder(300, hidden_size=64, num_layers=2, lora=lora), scale=0.3)
+    settings = [
+        Sampling(max_new_tokens=n, temperature=t)
+        for n, t in zip((6, 9, 4, 12, 7, 3, 10), (0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0), strict=True)
+    ]
+    reqs = [dataclasses.replace(r, adapter=i % 2) for i, r in enumerate(requests(RAGGED, settings))]
+    # request 1 extends request 0's long prompt on the other adapter: no cache is shared
+    reqs[0] = dataclasses.replace(reqs[0], prompt_ids=RAGGED[6])
+    reqs[1] = dataclasses.replace(reqs[1], prompt_ids=RAGGED[6] + RAGGED[1])
+    eng = engine(model)
+    got = sample_all(eng, reqs)
+    eng.close()
+    for r, out in zip(reqs, got, strict=True):
+        s = r.sampling
+        kwargs = {
+            "max_new_tokens": s.max_new_tokens,
+            "temperature": s.temperature,
+            "eos_token_ids": [STOP],
+            "keys": path_key(0, r.key_path)[None],
+        }
+        [want] = generate(model, [r.prompt_ids], adapter_ids=[r.adapter], **kwargs)
+        assert_same([out], [want], atol=1e-4)
+        if s.temperature == 0:
+            [alone] = generate(single_adapter(model, r.adapter), [r.prompt_ids], **kwargs)
+            assert out.token_ids == alone.token_ids
+    # the adapters differ enough to change what is sampled
+    swapped = sample_all(
+        engine(model), [dataclasses.replace(r, adapter=1 - r.adapter) for r in reqs]
+    )
+    assert [c.token_ids for c in swapped] != [c.token_ids for c in got]
+    with pytest.raises(ValueError, match="request for adapter 2; this engine's model has 2"):
+        engine(model).submit(dataclasses.replace(reqs[0], adapter=2))
+    with pytest.raises(ValueError, match="has 1 adapter"):
+        engine(tiny_decoder(300, hidden_size=64)).submit(reqs[1])

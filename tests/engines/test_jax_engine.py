@@ -9,12 +9,13 @@ from flax import nnx
 from mmgrpo_jax.engines.base import Request, RolloutEngine, Sampling
 from mmgrpo_jax.engines.jax_engine import JaxEngine
 from mmgrpo_jax.engines.lm import EngineLM
-from mmgrpo_jax.program import Example, Predict, record_trace
+from mmgrpo_jax.program import Example, Module, Predict, record_trace
 from mmgrpo_jax.rl.rollout import run_rollouts
 from mmgrpo_jax.sampling import generate
 from mmgrpo_jax.testing import tiny_decoder
 from models.lora import LoRAConfig
 from models.tokenizer import chat_prompt_ids, train_bpe_tokenizer
+from tests.models.test_lora import perturb, single_adapter
 
 MESSAGES = [{"role": "system", "content": "Answer."}, {"role": "user", "content": "Which hop?"}]
 
@@ -251,3 +252,49 @@ def test_update_weights_keeps_the_engines_placement(model, tokenizer):
             assert len(leaf.devices()) == 1
     finally:
         engine.close()
+
+
+class DraftThenAnswer(Module):
+    def __init__(self):
+        self.draft = Predict("question -> draft", bare=True)
+        self.answer = Predict("question, draft -> answer", bare=True)
+
+    def forward(self, question):
+        return self.answer(question=question, draft=self.draft(question=question).draft)
+
+
+def test_each_module_calls_its_own_adapter_in_one_mixed_batch(tokenizer):
+    """Per-module adapters through EngineLM: a call's request names its predictor's adapter,
+    concurrent rollouts batch calls of both modules together, and each call samples what its
+    adapter's single-adapter model samples alone."""
+    lora = LoRAConfig(rank=4, alpha=8.0, modules=("draft=drafter", "answer=answerer"))
+    model = perturb(
+        tiny_decoder(len(tokenizer), hidden_size=64, num_layers=2, lora=lora), scale=0.3
+    )
+    program = DraftThenAnswer()
+    examples = [Example(question=f"q{i}").with_inputs("question") for i in range(4)]
+    lm = make_lm(model, tokenizer, max_wait_s=0.5)  # routed by lora.modules
+    trajectories = run_rollouts(program, examples, lambda e, p: 1.0, num_rollouts=2, lm=lm)
+    with pytest.raises(RuntimeError, match="called outside a traced predictor call"):
+        lm(MESSAGES)
+    lm.close()
+    assert lm.stats.dispatches < sum(len(t.calls) for t in trajectories)  # batched, not one by one
+    alone = {a: single_adapter(model, a) for a in (0, 1)}
+    for call in (c for t in trajectories for c in t.calls):
+        [want] = generate(
+            alone[lora.adapter_id(call.predictor)],
+            [call.prompt_ids],
+            max_new_tokens=6,
+            temperature=0,
+            eos_token_ids=lm.engine.stop_token_ids,
+        )
+        assert call.completion_ids == tuple(want.token_ids), call.predictor
+    drafts = {c.completion_ids for t in trajectories for c in t.calls if c.predictor == "draft"}
+    [swapped] = generate(
+        alone[1],
+        [trajectories[0].calls[0].prompt_ids],
+        max_new_tokens=6,
+        temperature=0,
+        eos_token_ids=lm.engine.stop_token_ids,
+    )
+    assert tuple(swapped.token_ids) not in drafts  # the other adapter would sample otherwise

@@ -608,6 +608,64 @@ def test_an_unmodified_dspy_program_trains_as_its_native_twin(tmp_path):
     assert (tmp_path / "dspy" / "run" / "adapter" / "adapter_model.safetensors").is_file()
 
 
+def test_per_module_adapters_route_dspy_predictors_as_native_ones(tmp_path):
+    """Per-module adapters through the bridge: DSPy's predictor names pick the adapters, so two
+    steps equal the native twin's with the same modules (numbers and both adapters' weights);
+    the program given back has one LM per predictor, each serving its module's adapter."""
+    from flax import nnx
+
+    from mmgrpo_jax.rl.losses import LossConfig
+    from mmgrpo_jax.testing import tiny_decoder
+    from mmgrpo_jax.trainer.mmgrpo import MMGRPO
+    from models.tokenizer import train_bpe_tokenizer
+    from tests.trainer.conftest import CORPUS
+    from tests.trainer.test_mmgrpo import PER_MODULE, TRAIN, VAL, config, reward, run
+
+    tokenizer = train_bpe_tokenizer(CORPUS, 300, "chatml")
+    settings = {"loss": LossConfig("grpo", beta=0.04), "lora": PER_MODULE}
+    native_model, _ = run(
+        tokenizer,
+        config(tmp_path / "native", **settings),
+        tiny_decoder(len(tokenizer), lora=PER_MODULE),
+    )
+    model = tiny_decoder(len(tokenizer), lora=PER_MODULE)
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    cfg = config(tmp_path / "dspy", **settings)
+    trainer = MMGRPO(reward, cfg, model=model, tokenizer=tokenizer, stop_token_ids=stop)
+    to_dspy = [
+        dspy.Example(question=e.question, answer=e.answer).with_inputs("question") for e in TRAIN
+    ]
+    with dspy.context(adapter=BareAdapter()):
+        trained = trainer.compile(DSPyTwoModules(), to_dspy, to_dspy[: len(VAL)])
+
+    def logged(run_dir):
+        lines = (run_dir / "run" / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    ours, theirs = logged(tmp_path / "dspy"), logged(tmp_path / "native")
+    for key in ("loss", "grad_norm", "reward_mean", "eval_reward"):
+        assert [r[key] for r in ours if key in r] == [r[key] for r in theirs if key in r], key
+    lora = jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        lora,
+        jax.tree.map(np.asarray, nnx.state(native_model, nnx.LoRAParam)),
+    )
+    drafter, finisher = trained.draft.lm, trained.final.lm
+    assert isinstance(drafter, PolicyLM) and drafter is not finisher
+    try:
+        messages = BareAdapter().format(trained.draft.signature, [], {"question": "question 0?"})
+        replies = {lm.policy_engine.policy()(messages).completion_ids for lm in (drafter, finisher)}
+        assert len(replies) == 2  # the two adapters answer the same prompt differently
+        with dspy.context(adapter=BareAdapter()):
+            assert isinstance(trained(question=TRAIN[0].question).answer, str)
+    finally:
+        drafter.close()
+        finisher.close()
+    with pytest.raises(ValueError, match=r"adapter_name='nope' is not one of .*'drafter'"):
+        PolicyLM.local(model, tokenizer, stop, adapter_name="nope")
+
+
 def test_a_saved_program_loads_its_policy_and_adapter_back(tmp_path):
     from mmgrpo_jax.engines.base import Sampling
     from mmgrpo_jax.engines.lm import EngineLM

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import jax
@@ -9,7 +10,9 @@ import torch
 from flax import nnx
 
 from models import hf
+from models.decoder import Decoder
 from models.export import (
+    adapter_lora_config,
     load_peft_adapter,
     merge_lora,
     save_merged,
@@ -27,6 +30,11 @@ LORA = LoRAConfig(rank=4, alpha=8.0)
 @nnx.jit(static_argnames="use_lora")
 def logits(model, ids, use_lora=True):
     return model(ids, use_lora=use_lora)
+
+
+@nnx.jit
+def row_logits(model, ids, adapters):  # per-module adapters: each row's adapter id
+    return model(ids, use_lora=adapters)
 
 
 def perturb(model, seed=0, scale=0.2):
@@ -141,6 +149,9 @@ def test_peft_adapter_round_trips(directory, tmp_path):
         ({"alpha": 0}, "alpha must be > 0, got 0"),
         ({"targets": ("q_proj", "lm_head")}, "targets must be a non-empty subset"),
         ({"dropout": 1.0}, r"dropout must be in \[0, 1\), got 1.0"),
+        ({"modules": ("query*",)}, "entries are 'pattern=adapter'"),
+        ({"modules": ("=a",)}, "entries are 'pattern=adapter'"),
+        ({"modules": ("q=a=b",)}, "entries are 'pattern=adapter'"),
     ],
 )
 def test_bad_lora_configs(kwargs, message):
@@ -161,3 +172,83 @@ def test_lora_dropout_acts_only_with_a_training_stream(checkpoints):
     np.testing.assert_array_equal(np.asarray(model(ids, rngs=None)), plain)
     off = np.asarray(model(ids, use_lora=False, rngs=nnx.Rngs(dropout=0)))
     np.testing.assert_array_equal(off, np.asarray(model(ids, use_lora=False)))
+
+
+# -- per-module adapters -------------------------------------------------------------------------
+TWO = LoRAConfig(rank=4, alpha=8.0, modules=("query*=writer", "*=reader"))
+
+
+def test_modules_map_predictor_names_to_adapters_first_match_first():
+    assert TWO.adapter_names == ("writer", "reader") and TWO.num_adapters == 2
+    assert [TWO.adapter_id(n) for n in ("query", "query_2", "answer", "hop.query")] == [0, 0, 1, 1]
+    assert LoRAConfig().adapter_names == ("default",) and LoRAConfig().adapter_id("any") == 0
+    assert LoRAConfig(modules=("*=shared",)).num_adapters == 1
+    with pytest.raises(ValueError, match=r"predictor .answer. matches no LoRAConfig\.modules"):
+        LoRAConfig(modules=("query=q",)).adapter_id("answer")
+    with pytest.raises(ValueError, match=r"adapters \['reader'\] serve none"):
+        TWO.check_predictors(["query"])
+    assert TWO.check_predictors(["query", "answer"]) == {"query": 0, "answer": 1}
+
+
+def single_adapter(model, adapter):
+    """A one-adapter copy of a model with several, holding adapter `adapter`'s weights."""
+    lora = dataclasses.replace(model.lora, modules=())
+    graphdef, _ = nnx.split(
+        nnx.eval_shape(
+            lambda: Decoder(model.config, lora=lora, dtype=model.dtype, rngs=nnx.Rngs(0))
+        )
+    )
+    flat = []
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        value = var.get_value()
+        if path[-1] in ("lora_a", "lora_b"):
+            value = value[:, adapter] if path[0] == "layers" else value[adapter]
+        flat.append((path, var.replace(value)))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def test_stacked_adapters_serve_each_row_its_own_adapter(directory):
+    model = perturb(from_pretrained(directory, dtype=jnp.float32, lora=TWO), scale=0.3)
+    shapes = {
+        path[-1]: var.get_value().shape
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))
+        if path[-2] == "q_proj"
+    }
+    layers, hidden = model.config.num_layers, model.config.hidden_size
+    assert shapes["lora_a"] == (layers, 2, hidden, 4)
+    ids = jnp.asarray(IDS)
+    mixed = np.asarray(row_logits(model, ids, jnp.array([1, 0])))
+    for row, adapter in ((0, 1), (1, 0)):
+        alone = np.asarray(logits(single_adapter(model, adapter), ids))
+        # the same sums in another order (a gathered einsum, not a matmul): rounding apart
+        np.testing.assert_allclose(mixed[row], alone[row], rtol=1e-4, atol=1e-4)
+    assert np.abs(alone - np.asarray(logits(single_adapter(model, 1), ids))).max() > 1e-2
+    np.testing.assert_array_equal(
+        logits(model, ids, use_lora=False), logits(single_adapter(model, 0), ids, use_lora=False)
+    )
+    with pytest.raises(ValueError, match=r"2 adapters \['writer', 'reader'\]: pass use_lora"):
+        model(ids)
+
+
+def test_each_per_module_adapter_exports_as_a_peft_folder(directory, tmp_path):
+    model = perturb(from_pretrained(directory, dtype=jnp.float32, lora=TWO), seed=2)
+    folder = save_peft_adapter(model, tmp_path / "adapter", base_model=str(directory))
+    modules = json.loads((folder / "modules.json").read_text())
+    assert modules == {"modules": list(TWO.modules), "adapters": ["writer", "reader"]}
+    ids = torch.tensor(IDS)
+    for index, name in enumerate(TWO.adapter_names):
+        hf = peft.PeftModel.from_pretrained(load_hf(directory), folder / name).eval()
+        with torch.no_grad():
+            want = hf(ids).logits.numpy()
+        got = np.asarray(row_logits(model, IDS, jnp.full((2,), index)))
+        np.testing.assert_allclose(got, want, atol=2e-4 * max(1, np.abs(want).max()))
+    # and back: the folder names its config, and the adapters load into their slots
+    lora = adapter_lora_config(folder)
+    assert (lora.rank, lora.alpha, lora.modules) == (TWO.rank, TWO.alpha, TWO.modules)
+    assert sorted(lora.targets) == sorted(TWO.targets)
+    fresh = load_peft_adapter(from_pretrained(directory, dtype=jnp.float32, lora=lora), folder)
+    for index in range(2):
+        rows = jnp.full((2,), index)
+        np.testing.assert_array_equal(row_logits(fresh, IDS, rows), row_logits(model, IDS, rows))
+    with pytest.raises(ValueError, match="holds adapters"):
+        load_peft_adapter(from_pretrained(directory, dtype=jnp.float32, lora=LORA), folder)

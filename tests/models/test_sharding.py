@@ -10,7 +10,7 @@ from models.hf import from_pretrained
 from models.lora import LoRAConfig
 from models.sharding import make_mesh, param_sharding, param_spec, shard_model
 from tests.models.hf_fixtures import VOCAB
-from tests.models.test_lora import perturb
+from tests.models.test_lora import TWO, perturb, row_logits
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
 IDS = np.random.default_rng(2).integers(0, VOCAB, (4, 13))
@@ -69,3 +69,17 @@ def test_every_parameter_has_a_rule_and_bad_divisibility_is_named(checkpoints):
     bias = ("layers", "self_attn", "k_proj", "bias")
     with pytest.raises(ValueError, match=r"k_proj\.bias: dimension 12 of shape \(2, 12\) does"):
         param_sharding(bias, (2, 12), mesh)
+
+
+def test_stacked_adapters_shard_like_one_and_keep_the_adapter_axis_whole(checkpoints, mesh):
+    single = perturb(from_pretrained(checkpoints["llama31"], dtype=jnp.float32, lora=TWO))
+    sharded = shard_model(
+        perturb(from_pretrained(checkpoints["llama31"], dtype=jnp.float32, lora=TWO)), mesh
+    )
+    q = sharded.layers.self_attn.q_proj  # [layers, adapters, in, r] and [layers, adapters, r, out]
+    assert q.lora_a[...].sharding.spec == P(None, None, "fsdp", None)
+    assert q.lora_b[...].sharding.spec == P(None, None, None, "tensor")
+    adapters = jnp.array([1, 0, 1, 0])
+    want = np.asarray(row_logits(single, IDS, adapters))
+    got = np.asarray(row_logits(sharded, IDS, adapters))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

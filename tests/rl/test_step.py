@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +20,7 @@ from models.attention import AttentionConfig
 from models.config import ModelConfig
 from models.decoder import Decoder
 from models.lora import LoRAConfig
-from tests.models.test_lora import perturb
+from tests.models.test_lora import perturb, single_adapter
 from tests.rl.test_batch import make_rows, synthetic_groups, unit
 
 CFG = ModelConfig.tiny(64, num_layers=2)
@@ -337,3 +339,91 @@ def test_old_logprobs_carry_no_lora_dropout_unlike_trls():
     step = make_train_step(graphdef, optimizer, LossConfig("grpo"), TEMPERATURE)
     _, first = step(state, frozen, batch.replace(old_logps=old))
     assert abs(float(first["ratio_mean"]) - 1.0) > 1e-4  # dropout moved the current log-probs
+
+
+# -- per-module adapters -------------------------------------------------------------------------
+TWO_ADAPTERS = LoRAConfig(rank=4, alpha=8.0, modules=("query*=writer", "*=reader"))
+
+
+def two_adapter_model():
+    return perturb(Decoder(CFG, lora=TWO_ADAPTERS, rngs=nnx.Rngs(0)), scale=0.1)
+
+
+def sgd_step(model, rows, num_adapters, cfg=None):
+    """The step's gradient (sgd(1): old - new), its metrics and the rows' log-probs."""
+    optimizer = optax.sgd(1.0)
+    graphdef, state, frozen = split_for_training(model, optimizer)
+    batch = pack_rows(rows, micro_batch_size=4, num_adapters=num_adapters)
+    logps = make_logprob_fn(graphdef, TEMPERATURE)(state.trainable, frozen, batch)
+    before = jax.tree.map(np.asarray, state.trainable)
+    step = make_train_step(graphdef, optimizer, cfg or LossConfig("grpo", beta=0.04), TEMPERATURE)
+    new_state, metrics = step(state, frozen, batch)
+    grad = jax.tree.map(lambda a, b: a - np.asarray(b), before, new_state.trainable)
+    return grad, metrics, np.asarray(logps)
+
+
+def adapter_slices(grad, adapter):
+    """Adapter `adapter`'s part of every stacked LoRA leaf, by path."""
+    return {
+        path: var.get_value()[:, adapter] if path[0] == "layers" else var.get_value()[adapter]
+        for path, var in nnx.to_flat_state(grad)
+    }
+
+
+def test_rows_of_one_module_leave_the_other_adapter_untouched():
+    """Rows of adapter 1 only, with a KL term: adapter 0's gradient is exactly zero, and adapter
+    1's step is the single-adapter step on the same rows (KL reference: the base for both)."""
+    rows = [dataclasses.replace(r, adapter=1) for r in make_rows(seed=10)]
+    model = two_adapter_model()
+    grad, metrics, _ = sgd_step(model, rows, num_adapters=2)
+    assert float(metrics["grad_norm"]) > 0 and float(metrics["kl_mean"]) > 0
+    for path, g in adapter_slices(grad, 0).items():
+        assert not np.any(g), path  # exactly zero: adapter 0 served no row
+    alone = [dataclasses.replace(r, adapter=0) for r in rows]
+    want, want_metrics, _ = sgd_step(single_adapter(model, 1), alone, num_adapters=1)
+    got = adapter_slices(grad, 1)
+    for path, var in nnx.to_flat_state(want):
+        np.testing.assert_allclose(got[path], var.get_value(), rtol=1e-4, atol=1e-7)
+    for name in ("loss", "kl_mean", "grad_norm"):
+        np.testing.assert_allclose(float(metrics[name]), float(want_metrics[name]), rtol=1e-5)
+
+
+def test_a_mixed_batch_trains_each_adapter_as_its_own_rows_would():
+    """One pass over rows of both modules = each single-adapter model on the same rows with the
+    other module's advantages zeroed (same normalisers, no gradient from those rows; beta = 0,
+    as a KL term would still pull on them). Log-probs: each row's adapter's."""
+    rows = [dataclasses.replace(r, adapter=i % 2) for i, r in enumerate(make_rows(seed=11))]
+    model = two_adapter_model()
+    grpo = LossConfig("grpo")
+    grad, _, logps = sgd_step(model, rows, num_adapters=2, cfg=grpo)
+    batch = pack_rows(rows, micro_batch_size=4, num_adapters=2)
+    adapter_ids = np.asarray(batch.adapter_ids)
+    for adapter in (0, 1):
+        own = [r if r.adapter == adapter else dataclasses.replace(r, advantage=0.0) for r in rows]
+        alone = [dataclasses.replace(r, adapter=0) for r in own]
+        want, _, want_logps = sgd_step(
+            single_adapter(model, adapter), alone, num_adapters=1, cfg=grpo
+        )
+        got = adapter_slices(grad, adapter)
+        for path, var in nnx.to_flat_state(want):
+            np.testing.assert_allclose(got[path], var.get_value(), rtol=1e-4, atol=1e-7)
+        mine = adapter_ids == adapter
+        np.testing.assert_allclose(logps[mine], want_logps[mine], rtol=1e-5, atol=1e-5)
+
+
+def test_one_adapter_by_pattern_is_todays_shared_adapter_bit_for_bit():
+    rows = make_rows(seed=12)
+    shared = LoRAConfig(rank=4, alpha=8.0, modules=("*=shared",))
+    want = sgd_step(fresh_model(), rows, num_adapters=1)
+    got = sgd_step(perturb(Decoder(CFG, lora=shared, rngs=nnx.Rngs(0)), scale=0.1), rows, 1)
+    jax.tree.map(np.testing.assert_array_equal, got[0], want[0])
+    np.testing.assert_array_equal(got[2], want[2])
+
+
+def test_pack_rows_refuses_packing_or_an_unknown_adapter_with_several():
+    rows = [dataclasses.replace(r, adapter=1) for r in make_rows(seed=13)]
+    with pytest.raises(ValueError, match="pack_length=24 packs rows of different modules"):
+        pack_rows(rows, micro_batch_size=2, pack_length=24, num_adapters=2)
+    with pytest.raises(ValueError, match="adapter id 1 is not below num_adapters=1"):
+        pack_rows(rows, micro_batch_size=4)
+    assert pack_rows(make_rows(seed=13), micro_batch_size=4).adapter_ids is None

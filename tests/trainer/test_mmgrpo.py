@@ -6,11 +6,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mmgrpo_jax.engines.local import LocalEngine
+from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.program import Example, Module, Predict
 from mmgrpo_jax.program.trace import CallRecord
+from mmgrpo_jax.rl.batch import pack_rows
 from mmgrpo_jax.rl.grouping import Group, GroupMember
 from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.testing import tiny_decoder
+from mmgrpo_jax.trainer import mmgrpo as trainer_module
 from mmgrpo_jax.trainer.config import MemoryConfig, MMGRPOConfig, OptimConfig, SamplerConfig
 from mmgrpo_jax.trainer.mmgrpo import MMGRPO, examples_for_step, group_diagnostics
 from models.lora import LoRAConfig
@@ -84,25 +88,35 @@ LEAN = MemoryConfig("blockwise", 16, True, logits_chunk=8, prefill_chunk=32, pac
 
 
 @pytest.mark.parametrize(
-    ("grouping", "memory", "loss_unit"),
+    ("grouping", "memory", "loss_unit", "modules"),
     [
-        ("module", None, None),
-        ("trajectory", None, None),
-        ("module", LEAN, None),
+        ("module", None, None, ()),
+        ("trajectory", None, None, ()),
+        ("module", LEAN, None, ()),
         # the paper's two objectives as two settings of loss_unit: the same recorded numbers
-        ("module", None, "call"),
-        ("trajectory", None, "trajectory"),
+        ("module", None, "call", ()),
+        ("trajectory", None, "trajectory", ()),
+        # per-module adapters with one adapter for every module: today's shared adapter
+        ("module", None, None, ("*=shared",)),
     ],
-    ids=["module", "trajectory", "module_lean_packed", "call_units", "trajectory_units"],
+    ids=[
+        "module",
+        "trajectory",
+        "module_lean_packed",
+        "call_units",
+        "trajectory_units",
+        "one_adapter_by_pattern",
+    ],
 )
 def test_two_steps_train_only_lora_and_log_everything(
-    tokenizer, tmp_path, grouping, memory, loss_unit
+    tokenizer, tmp_path, grouping, memory, loss_unit, modules
 ):
-    model = new_model(tokenizer)
+    lora = LoRAConfig(rank=2, alpha=4.0, modules=modules)
+    model = tiny_decoder(len(tokenizer), lora=lora)
     base_before = base_params(model)
     lora_before = jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))
     loss = LossConfig("grpo", beta=0.04)
-    cfg = config(tmp_path, grouping=grouping, loss=loss, loss_unit=loss_unit)
+    cfg = config(tmp_path, grouping=grouping, loss=loss, loss_unit=loss_unit, lora=lora)
     if memory is not None:
         cfg = dataclasses.replace(cfg, memory=memory)
     model, _ = run(tokenizer, cfg, model)
@@ -166,6 +180,72 @@ def test_two_steps_train_only_lora_and_log_everything(
     assert steps[0]["perf/train_compiles"] >= 1 and steps[0]["idle_update"] == 0
     assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 1000
     assert any((tmp_path / "run" / "tensorboard").iterdir())
+
+
+PER_MODULE = LoRAConfig(rank=2, alpha=4.0, modules=("draft*=drafter", "final*=finisher"))
+
+
+def adapter_slice(state, adapter):
+    return [np.asarray(leaf)[adapter] for leaf in jax.tree.leaves(state)]
+
+
+def test_per_module_adapters_train_each_module_its_own_adapter(tokenizer, tmp_path, monkeypatch):
+    """Two modules, two adapters in one run: every rollout call samples on its module's
+    adapter, one update trains both on the mixed batch, and each exports as a PEFT folder."""
+    requests, batches = [], []
+    submit = LocalEngine.submit
+    monkeypatch.setattr(
+        LocalEngine, "submit", lambda self, r: requests.append(r) or submit(self, r)
+    )
+    monkeypatch.setattr(
+        trainer_module,
+        "pack_rows",
+        lambda rows, *a, **k: batches.append(rows) or pack_rows(rows, *a, **k),
+    )
+    model = tiny_decoder(len(tokenizer), lora=PER_MODULE)
+    lora_before = jax.tree.map(np.asarray, nnx.state(model.layers, nnx.LoRAParam))
+    base_before = base_params(model)
+    cfg = config(tmp_path, lora=PER_MODULE, loss=LossConfig("grpo", beta=0.04), eval_every=2)
+    model, _ = run(tokenizer, cfg, model)
+    # the final module's prompts (and only they) describe the `answer` field: adapter 1
+    for request in requests:
+        assert request.adapter == ("`answer`" in tokenizer.decode(request.prompt_ids)), request
+    assert {r.adapter for r in requests} == {0, 1}
+    rows = [row for rows in batches for row in rows]
+    assert len(batches) == 2 and {r.adapter for r in rows} == {0, 1}
+    for row in rows:
+        assert row.adapter == ("`answer`" in tokenizer.decode(row.prompt_ids))
+    jax.tree.map(np.testing.assert_array_equal, base_before, base_params(model))
+    lora_after = nnx.state(model.layers, nnx.LoRAParam)
+    for adapter in (0, 1):  # stacked [layers, adapters, ...]: both adapters moved
+        before = [a[:, adapter] for a in jax.tree.leaves(lora_before)]
+        after = [np.asarray(a)[:, adapter] for a in jax.tree.leaves(lora_after)]
+        assert any(not np.array_equal(b, a) for b, a in zip(before, after, strict=True))
+    folder = tmp_path / "run" / "adapter"
+    modules = json.loads((folder / "modules.json").read_text())
+    assert modules == {"modules": list(PER_MODULE.modules), "adapters": ["drafter", "finisher"]}
+    for name in ("drafter", "finisher"):
+        assert (folder / name / "adapter_model.safetensors").is_file()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == [1.0, 2.0]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2
+
+
+def test_per_module_adapters_refuse_what_they_cannot_serve(tokenizer, tmp_path):
+    with pytest.raises(ValueError, match=r"pack_length=256 with per-module adapters"):
+        config(tmp_path, lora=PER_MODULE, memory=MemoryConfig(pack_length=256))
+    with pytest.raises(ValueError, match=r"lora.modules=\['draft\*=drafter'.*needs train='lora'"):
+        config(tmp_path, lora=PER_MODULE, train="full")
+    only_draft = LoRAConfig(rank=2, alpha=4.0, modules=("draft=drafter", "answer=other"))
+    cfg = config(tmp_path, lora=only_draft)
+    with pytest.raises(UserError, match=r"predictor 'final' matches no LoRAConfig\.modules"):
+        run(tokenizer, cfg, tiny_decoder(len(tokenizer), lora=only_draft))
+    unused = LoRAConfig(rank=2, alpha=4.0, modules=("draft=d", "final=f", "hop*=h"))
+    with pytest.raises(UserError, match=r"adapters \['h'\] serve none"):
+        run(tokenizer, config(tmp_path, lora=unused), tiny_decoder(len(tokenizer), lora=unused))
+    with pytest.raises(ValueError, match=r"the model's LoRA modules .* are not the config's"):
+        run(tokenizer, config(tmp_path, lora=PER_MODULE))  # a one-adapter model
 
 
 def test_steps_whose_gradient_is_zero_run_no_pass_and_equal_the_full_step(
