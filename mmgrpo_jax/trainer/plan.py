@@ -243,7 +243,14 @@ def _train_step_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, A
     longest = config.sampler.max_prompt_tokens + config.sampler.max_completion_tokens
     length = row_length_bucket(longest)
     pack = config.memory.pack_length
-    batch = abstract_batch(1, b, length, old_logps=config.num_iterations > 1, pack_length=pack)
+    batch = abstract_batch(
+        1,
+        b,
+        length,
+        old_logps=config.num_iterations > 1,
+        pack_length=pack,
+        adapter_ids=config.per_module_adapters,
+    )
     step = make_train_step(
         graphdef,
         optimizer,
@@ -261,10 +268,16 @@ def _train_step_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, A
 
 
 def abstract_batch(
-    micro_batches: int, rows: int, length: int, old_logps: bool, pack_length: int = 0
+    micro_batches: int,
+    rows: int,
+    length: int,
+    old_logps: bool,
+    pack_length: int = 0,
+    adapter_ids: bool = False,
 ) -> Batch:
     """A `Batch` of ShapeDtypeStructs: what `pack_rows` would build at these sizes (packed: one
-    longest row per sequence, the most per-row slots a full micro-batch can need)."""
+    longest row per sequence, the most per-row slots a full micro-batch can need; with
+    per-module adapters, each row's adapter id)."""
     shape = (micro_batches, rows)
     targets = (*shape, length - 1)
     sequence = (*shape, pack_length or length)
@@ -286,6 +299,7 @@ def abstract_batch(
         num_sequences=_spec(shape[:1], jnp.float32),
         num_tokens=_spec(shape[:1], jnp.float32),
         old_logps=_spec(targets, jnp.float32) if old_logps else None,
+        adapter_ids=_spec(shape, jnp.int32) if adapter_ids else None,
         **packed,
     )
 
@@ -303,6 +317,7 @@ def _sampler_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, Any]
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))  # one per row
     scalar = _spec((), jnp.float32)
     rows_i32, rows_f32 = _spec((batch,), jnp.int32), _spec((batch,), jnp.float32)
+    adapters = rows_i32 if config.per_module_adapters else None  # a mixed batch: ids per row
     prefill = _prefill.lower(
         graphdef,
         state,
@@ -314,6 +329,7 @@ def _sampler_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, Any]
         params,
         None,
         config.memory.prefill_chunk,
+        adapters,
     ).compile()
     cache = jax.eval_shape(lambda: abstract.init_cache(batch, prompt + new))
     decode = _decode.lower(
@@ -329,6 +345,7 @@ def _sampler_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, Any]
         _spec((), jnp.int32),
         params,
         new,
+        adapters,
     ).compile()
     (prefill_total, prefill_temp), (decode_total, decode_temp) = map(_footprint, (prefill, decode))
     return {

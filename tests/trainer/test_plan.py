@@ -8,6 +8,7 @@ from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.trainer.config import MemoryConfig, MMGRPOConfig, OptimConfig, SamplerConfig
 from mmgrpo_jax.trainer.plan import check_fits, plan_memory
 from models.config import ModelConfig
+from models.lora import LoRAConfig
 
 MODEL = ModelConfig.tiny(512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 LEAN = MemoryConfig("blockwise", attention_block=128, remat=True, logits_chunk=128)
@@ -40,6 +41,17 @@ def test_the_plan_counts_weights_cache_and_both_phases():
     out = plan.to_json()
     assert {"train_step_bytes", "sampler_bytes", "device_bytes", "fits"} <= set(out)
     assert "| fits | yes |" in plan.table()
+
+
+def test_per_module_adapters_are_planned_with_their_stacked_weights_and_mixed_batches():
+    """Two adapters: twice the LoRA weights, and the train step and sampler compiled with the
+    per-row adapter ids they run with (a plan of the one-adapter call would fail to trace)."""
+    modules = LoRAConfig(rank=16, alpha=32.0, modules=("a*=a", "*=b"))
+    one = plan_memory(config(), MODEL, device_bytes=10**12)
+    two = plan_memory(dataclasses.replace(config(), lora=modules), MODEL, device_bytes=10**12)
+    lora = 2 * 16 * 1024
+    assert two.weights_bytes - one.weights_bytes == lora * 4
+    assert two.train_step_bytes > one.train_step_bytes and two.fits
 
 
 @pytest.mark.slow  # nine compiles, ~30 s: the paper configs' plans show the same effect at 8B
