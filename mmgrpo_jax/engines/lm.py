@@ -37,11 +37,18 @@ class EngineLM:
         max_prompt_tokens: int | None = None,
         owns_engine: bool = False,
         adapter_of: Callable[[str], int] | None = None,
-        adapter: int = 0,
+        adapter: int | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
         # per-module adapters: route each call by its predictor, or serve one adapter throughout
-        self.adapter_of, self.adapter = adapter_of, adapter
+        adapters = getattr(engine, "num_adapters", 1)
+        if adapters > 1 and adapter_of is None and adapter is None:
+            raise ValueError(
+                f"the engine's policy has {adapters} adapters (per-module LoRA): pass "
+                "adapter_of=<predictor name -> adapter id> (e.g. LoRAConfig.adapter_id) or "
+                "adapter=<id>, so no call lands on an adapter by default"
+            )
+        self.adapter_of, self.adapter = adapter_of, adapter or 0
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1 or None, got {max_prompt_tokens}")
         self.max_prompt_tokens = max_prompt_tokens
@@ -83,7 +90,7 @@ class EngineLM:
             max_prompt_tokens=max_prompt_tokens,
             owns_engine=True,
             adapter_of=adapter_of,
-            adapter=adapter or 0,
+            adapter=adapter,
         )
 
     def __call__(self, messages: Sequence[dict[str, str]], **sampling: Any) -> LMOutput:

@@ -74,6 +74,38 @@ def test_one_mmgrpo_step_on_each_paper_program(checkpoint, tmp_path, name, group
     assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
 
 
+def test_per_module_adapters_train_and_evaluate_through_the_cli(checkpoint, tmp_path, capsys):
+    """papillon's two modules on adapters of their own: one step, the per-adapter PEFT folders,
+    and `mmgrpo eval --adapter` on them (each module back on its adapter)."""
+    modules = ("craft*=redactor", "respond*=responder")
+    cfg = experiment.ExperimentConfig(
+        task=task_config("papillon"),
+        mmgrpo=MMGRPOConfig(
+            num_rollouts=2,
+            examples_per_step=2,
+            num_steps=1,
+            sampler=SamplerConfig(max_completion_tokens=6, max_wait_s=5.0),
+            eval_every=1,
+            model_path=str(checkpoint),
+            dtype="float32",
+            lora=LoRAConfig(rank=2, alpha=4.0, modules=modules),
+            optim=OptimConfig(lr=1e-2, micro_batch_size=8),
+            run_dir=str(tmp_path / "run"),
+            progress=False,
+        ),
+        train_limit=2,
+        val_limit=1,
+    )
+    assert experiment.run_train(cfg)["steps"] == 1
+    adapter = tmp_path / "run" / "adapter"
+    assert sorted(p.name for p in adapter.iterdir()) == ["modules.json", "redactor", "responder"]
+    argv = ["eval", "--program", "papillon", "--model", str(checkpoint), "--adapter", str(adapter)]
+    argv += ["--split", "dev", "--limit", "1", "--out", str(tmp_path / "p.jsonl")]
+    argv += ["max_completion_tokens=6", "dtype=float32", "task.untrusted_lm.max_tokens=6"]
+    assert cli.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["examples"] == 1
+
+
 def test_eval_cli_prints_the_metric_and_writes_predictions(checkpoint, tmp_path, capsys):
     out = tmp_path / "preds.jsonl"
     argv = ["eval", "--program", "banking77", "--model", str(checkpoint), "--split", "dev"]

@@ -277,6 +277,8 @@ def test_each_module_calls_its_own_adapter_in_one_mixed_batch(tokenizer):
     trajectories = run_rollouts(program, examples, lambda e, p: 1.0, num_rollouts=2, lm=lm)
     with pytest.raises(RuntimeError, match="called outside a traced predictor call"):
         lm(MESSAGES)
+    with pytest.raises(ValueError, match=r"has 2 adapters .* pass adapter_of="):
+        EngineLM(lm.engine, tokenizer, sampling=Sampling(4))  # no silent adapter 0
     lm.close()
     assert lm.stats.dispatches < sum(len(t.calls) for t in trajectories)  # batched, not one by one
     alone = {a: single_adapter(model, a) for a in (0, 1)}
