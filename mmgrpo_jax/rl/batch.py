@@ -54,6 +54,7 @@ class Row:
     sampler_logprobs: tuple[float, ...] | None = None
     in_loss: bool = True  # False: a truncated completion kept only as a fully masked row
     adapter: int = 0  # the LoRA adapter of the row's module (per-module adapters)
+    module: str = ""  # the predictor that made the call (per-module metrics)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -122,6 +123,7 @@ def rows_from_groups(
                     call.logprobs,
                     in_loss=not (mask_truncated_completions and truncated),
                     adapter=0 if adapter_of is None else adapter_of(call.predictor),
+                    module=call.predictor,
                 )
             )
     return rows
@@ -197,6 +199,16 @@ def micro_batch_layout(rows: Sequence[Row], micro_batch_size: int) -> list[list[
             chunks.append([])
         chunks[-1] += members
     return chunks
+
+
+def batch_layout(
+    rows: Sequence[Row], micro_batch_size: int, pack_length: int | None = None
+) -> tuple[list[list[int]], list[list[tuple[int, int]]] | None]:
+    """`pack_rows`'s layout: row k of micro-batch m is `rows[layout[m][k]]` in every per-row
+    field (packed or not), and with `pack_length` each row's (sequence, offset)."""
+    if pack_length is None:
+        return micro_batch_layout(rows, micro_batch_size), None
+    return pack_layout(rows, micro_batch_size, pack_length)
 
 
 def pack_layout(
@@ -289,10 +301,7 @@ def pack_rows(
             f"micro_batch_size={micro_batch_size} does not split over {row_multiple} devices "
             "(data x fsdp); make it a multiple"
         )
-    if pack_length is None:
-        layout, placements = micro_batch_layout(rows, micro_batch_size), None
-    else:
-        layout, placements = pack_layout(rows, micro_batch_size, pack_length)
+    layout, placements = batch_layout(rows, micro_batch_size, pack_length)
     longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
     length = row_length_bucket(longest)
     # packed: as many row slots as the fullest micro-batch needs (bucketed), one per row

@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 from mmgrpo_jax.rl.batch import Batch
-from mmgrpo_jax.rl.losses import LossConfig, policy_loss
+from mmgrpo_jax.rl.losses import LossConfig, policy_loss, sampler_log_weight
 from models.decoder import Decoder
 from models.lora import UseLoRA
 from models.sharding import replicated
@@ -171,6 +171,27 @@ def _sampler_gap(logps: jax.Array, micro: Batch) -> tuple[jax.Array, jax.Array]:
     return gap.sum(), where.sum().astype(jnp.float32)
 
 
+ROW_METRIC = "row/"  # step metrics kept per row ([M, b]), not averaged: per-module summaries
+ROW_SAMPLER_KEYS = tuple(
+    f"{ROW_METRIC}{name}" for name in ("sampler_weight_sum", "sampler_weight_zeros", "tokens")
+)
+
+
+def _row_sampler_weights(
+    cfg: LossConfig, old: jax.Array, behaviour: jax.Array, mask: jax.Array
+) -> dict[str, jax.Array]:
+    """Each row's sum of the sampler-mismatch weight over its completion tokens, and how many
+    of them it zeroed: what the trainer sums per module (`sampler_weight_mean/<module>`)."""
+    behaviour = jnp.where(mask, behaviour, 0.0)
+    weight = jnp.broadcast_to(jnp.exp(sampler_log_weight(cfg, old, behaviour, mask)), mask.shape)
+    weight = jax.lax.stop_gradient(weight)
+    return {
+        f"{ROW_METRIC}sampler_weight_sum": jnp.where(mask, weight, 0.0).sum(-1),
+        f"{ROW_METRIC}sampler_weight_zeros": (mask & (weight == 0)).sum(-1).astype(jnp.float32),
+        f"{ROW_METRIC}tokens": mask.sum(-1).astype(jnp.float32),
+    }
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
@@ -225,7 +246,10 @@ def make_train_step(
             sampler_logps=behaviour,
         )
         gap_sum, gap_tokens = _sampler_gap(jax.lax.stop_gradient(logps), micro)
-        return loss, {**metrics, "gap_sum": gap_sum, "gap_tokens": gap_tokens}
+        metrics = {**metrics, "gap_sum": gap_sum, "gap_tokens": gap_tokens}
+        if loss_cfg.sampler_correction is not None:
+            metrics.update(_row_sampler_weights(loss_cfg, old, behaviour, micro.loss_mask))
+        return loss, metrics
 
     def step(
         state: TrainState, frozen: FrozenWeights, batch: Batch
@@ -256,6 +280,7 @@ def make_train_step(
         )
         tokens = metrics.pop("tokens")
         gap_sum, gap_tokens = metrics.pop("gap_sum").sum(), metrics.pop("gap_tokens").sum()
+        per_row = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(ROW_METRIC)]}
         # token-weighted means over micro-batches, so they equal the whole step's means
         summary = {
             k: jnp.sum(v * tokens) / jnp.maximum(tokens.sum(), 1) for k, v in metrics.items()
@@ -266,6 +291,7 @@ def make_train_step(
             grad_norm=grad_norm,
             update_applied=applied,
             sampler_logprob_gap=jnp.where(gap_tokens > 0, gap_sum / gap_tokens, jnp.nan),
+            **per_row,  # [M, b] in the batch's row layout
         )
         new_state = TrainState(trainable, opt_state, jax.random.key_data(next_key))
         return new_state, summary

@@ -40,10 +40,12 @@ from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.rl.advantages import advantages_for_groups
-from mmgrpo_jax.rl.batch import Batch, Row, pack_rows, rows_from_groups
+from mmgrpo_jax.rl.batch import Batch, Row, batch_layout, pack_rows, rows_from_groups
 from mmgrpo_jax.rl.grouping import Group, GroupingSettings, grouping_rule
 from mmgrpo_jax.rl.rollout import run_rollouts, score_examples, summarize
 from mmgrpo_jax.rl.step import (
+    ROW_METRIC,
+    ROW_SAMPLER_KEYS,
     FrozenWeights,
     TrainState,
     TrainStep,
@@ -585,7 +587,7 @@ class MMGRPO:
                 update = self._idle_update(learner, batch)
             else:
                 batch = parallel.place_batch(batch, self.mesh)
-                update = self._update(learner, batch, guard, step)
+                update = self._update(learner, batch, guard, step, rollouts.rows)
             update.setdefault("idle_update", 0.0)
             update["padding_fraction"] = padding
             # what the loss normalised by: rows, trajectories or examples (loss_unit)
@@ -610,7 +612,7 @@ class MMGRPO:
         return {**record, **metrics}
 
     def _update(
-        self, learner: _Learner, batch: Batch, guard: _Guard, step: int
+        self, learner: _Learner, batch: Batch, guard: _Guard, step: int, rows: Sequence[Row]
     ) -> dict[str, float]:
         """num_iterations updates on one batch; old log-probs are those before the first. The
         step refuses (keeps the old state for) an update whose loss, gradient norm or new
@@ -622,17 +624,21 @@ class MMGRPO:
             old = jax.block_until_ready(learner.logprob_fn(state.trainable, learner.frozen, batch))
             batch = batch.replace(old_logps=old)
             logprob_s = time.perf_counter() - started
-        first, skipped = None, 0
+        first, skipped, per_module = None, 0, {}
         for _ in range(self.config.num_iterations):
             state, metrics = learner.step_fn(state, learner.frozen, batch)
             learner.state = state  # the old one is donated: this is the only live state now
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            first = first or metrics
+            metrics = jax.device_get(metrics)
+            per_row = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(ROW_METRIC)]}
+            metrics = {k: float(v) for k, v in metrics.items()}
+            if first is None:  # the weights compare the sampler with the step's old log-probs
+                first, per_module = metrics, self._per_module_row_metrics(rows, per_row)
             applied = bool(metrics.pop("update_applied"))
             skipped += not applied
             guard.count_update(applied, metrics, step)
         # the gap is measured before any update of this step: the first iteration's
         metrics["sampler_logprob_gap"] = first["sampler_logprob_gap"]
+        metrics.update(per_module)
         metrics["skipped_updates"] = float(skipped)
         metrics["time/logprob"] = logprob_s
         metrics["time/update"] = time.perf_counter() - started - logprob_s
@@ -749,6 +755,28 @@ class MMGRPO:
             )
             for x in (sampling, greedy)
         )
+
+    def _per_module_row_metrics(
+        self, rows: Sequence[Row], per_row: dict[str, np.ndarray]
+    ) -> dict[str, float]:
+        """The step's per-row sums (the sampler-mismatch weight) summed per module: which
+        module's calls the sampler and the trainer disagree on."""
+        if not per_row or jax.process_count() > 1:  # rows of other processes are not here
+            return {}
+        layout, _ = batch_layout(
+            rows, self.config.optim.micro_batch_size, self.config.memory.pack_length or None
+        )
+        sums: dict[str, np.ndarray] = {}
+        for m, chunk in enumerate(layout):
+            for i, k in enumerate(chunk):
+                values = [float(per_row[key][m, i]) for key in ROW_SAMPLER_KEYS]
+                sums[rows[k].module] = sums.get(rows[k].module, 0.0) + np.asarray(values)
+        metrics = {}
+        for module, (weight, zeros, tokens) in sums.items():
+            if tokens > 0:
+                metrics[f"sampler_weight_mean/{module}"] = weight / tokens
+                metrics[f"sampler_weight_zero_fraction/{module}"] = zeros / tokens
+        return metrics
 
     @property
     def _adapter_of(self) -> Callable[[str], int] | None:

@@ -10,6 +10,8 @@ from flax import nnx
 from mmgrpo_jax.rl.batch import pack_rows, rows_from_groups
 from mmgrpo_jax.rl.losses import LossConfig, policy_loss
 from mmgrpo_jax.rl.step import (
+    ROW_METRIC,
+    ROW_SAMPLER_KEYS,
     make_logprob_fn,
     make_train_step,
     split_for_training,
@@ -427,3 +429,28 @@ def test_pack_rows_refuses_packing_or_an_unknown_adapter_with_several():
     with pytest.raises(ValueError, match="adapter id 1 is not below num_adapters=1"):
         pack_rows(rows, micro_batch_size=4)
     assert pack_rows(make_rows(seed=13), micro_batch_size=4).adapter_ids is None
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_truncate"])
+def test_per_row_sampler_weights_sum_to_the_steps_mean(mode):
+    """The per-row sums the trainer adds up per module are the loss's own weights: over all
+    rows they give the step's sampler_weight_mean and zero fraction."""
+    rows = make_rows(seed=14)  # sampler log-probs far from the policy's: weights vary
+    cfg = LossConfig("grpo", sampler_correction=mode, sampler_correction_min=0.5)
+    optimizer = optax.sgd(0.0)
+    graphdef, state, frozen = split_for_training(fresh_model(), optimizer)
+    step = make_train_step(graphdef, optimizer, cfg, TEMPERATURE)
+    batch = pack_rows(rows, micro_batch_size=3)
+    _, metrics = step(state, frozen, batch)
+    weight, zeros, tokens = (np.asarray(metrics[k]) for k in ROW_SAMPLER_KEYS)
+    assert weight.shape == (3, 3)
+    mask = np.asarray(batch.loss_mask).sum(-1)
+    np.testing.assert_array_equal(tokens, mask)
+    mean = float(metrics["sampler_weight_mean"])
+    np.testing.assert_allclose(weight.sum() / tokens.sum(), mean, rtol=1e-5)
+    zero = float(metrics["sampler_weight_zero_fraction"])
+    np.testing.assert_allclose(zeros.sum() / tokens.sum(), zero, rtol=1e-6)
+    assert mean != pytest.approx(1.0) and (mode == "sequence_truncate" or zero > 0)
+    without = make_train_step(graphdef, optimizer, LossConfig("grpo"), TEMPERATURE)
+    _, plain = without(split_for_training(fresh_model(), optimizer)[1], frozen, batch)
+    assert not any(k.startswith(ROW_METRIC) for k in plain)  # only with a correction

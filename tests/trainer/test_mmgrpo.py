@@ -232,6 +232,20 @@ def test_per_module_adapters_train_each_module_its_own_adapter(tokenizer, tmp_pa
     assert summary["steps"] == 2
 
 
+def test_the_sampler_weight_is_logged_per_module(tokenizer, tmp_path):
+    """With a sampler-mismatch correction each module's calls get their own weight mean and
+    zero fraction, whose token-weighted mean is the step's (so it lies between them)."""
+    loss = LossConfig("grpo", sampler_correction="token_mask", sampler_correction_min=0.999)
+    cfg = config(tmp_path, loss=loss, num_iterations=2, eval_every=2)
+    run(tokenizer, cfg)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for record in (r for r in lines if "loss" in r):
+        means = [record[f"sampler_weight_mean/{m}"] for m in ("draft", "final")]
+        assert min(means) - 1e-6 <= record["sampler_weight_mean"] <= max(means) + 1e-6
+        for m in ("draft", "final"):
+            assert 0 <= record[f"sampler_weight_zero_fraction/{m}"] <= 1
+
+
 def test_per_module_adapters_refuse_what_they_cannot_serve(tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"pack_length=256 with per-module adapters"):
         config(tmp_path, lora=PER_MODULE, memory=MemoryConfig(pack_length=256))
