@@ -112,7 +112,8 @@ def _lora_value(path: Sequence[object], shape: tuple[int, ...], dtype, seed: int
     if path[-1] == "lora_b":
         return jnp.zeros(shape, dtype)
     key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path_name(path).encode()))
-    bound = 1.0 / shape[0] ** 0.5  # PEFT's kaiming-uniform(a=sqrt(5)) on fan_in
+    # PEFT's kaiming-uniform(a=sqrt(5)) on fan_in: A is [in, r], or [adapters, in, r] stacked
+    bound = 1.0 / shape[-2] ** 0.5
     return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
 
 

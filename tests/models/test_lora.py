@@ -252,3 +252,13 @@ def test_each_per_module_adapter_exports_as_a_peft_folder(directory, tmp_path):
         np.testing.assert_array_equal(row_logits(fresh, IDS, rows), row_logits(model, IDS, rows))
     with pytest.raises(ValueError, match="holds adapters"):
         load_peft_adapter(from_pretrained(directory, dtype=jnp.float32, lora=LORA), folder)
+
+
+def test_stacked_adapters_start_at_the_single_adapters_scale(directory):
+    """A ~ U(-1/sqrt(in), 1/sqrt(in)) for every adapter of a stack, as for one adapter (a bound
+    from the stack's leading axis would start them many times larger)."""
+    for lora in (LORA, TWO):
+        model = from_pretrained(directory, dtype=jnp.float32, lora=lora)
+        a = np.asarray(model.layers.self_attn.q_proj.lora_a[...])  # [L, (n,) in, r]
+        bound = 1 / np.sqrt(a.shape[-2])
+        assert bound * 0.8 < np.abs(a).max() <= bound, lora
