@@ -52,6 +52,10 @@ def save_peft_adapter(model: Decoder, directory: str | Path, base_model: str = "
     `directory` (named after it) and `modules.json`, the predictor patterns that chose them."""
     lora = _require_lora(model)
     directory = Path(directory)
+    # a folder saved before in the other layout keeps no file that would be read instead
+    stale = (ADAPTER_WEIGHTS, ADAPTER_CONFIG) if lora.num_adapters > 1 else (MODULES,)
+    for name in stale:
+        (directory / name).unlink(missing_ok=True)
     if lora.num_adapters == 1:
         return _save_one(model, lora, directory, base_model, 0)
     for index, name in enumerate(lora.adapter_names):
@@ -189,9 +193,10 @@ def _load_one(model: Decoder, lora: LoRAConfig, directory: Path, adapter: int) -
         raise ValueError(f"adapter tensors with no LoRA layer in the model: {sorted(tensors)[:8]}")
 
 
-def merge_lora(model: Decoder, adapter: int = 0) -> Decoder:
-    """A LoRA-free Decoder whose kernels are W + (alpha/r) A B (of adapter `adapter`, with
-    per-module adapters); other weights are shared."""
+def merge_lora(model: Decoder, adapter: str | None = None) -> Decoder:
+    """A LoRA-free Decoder whose kernels are W + (alpha/r) A B; other weights are shared. With
+    per-module adapters `adapter` names the one to merge (a merged model serves one module)."""
+    index = _adapter_to_merge(_require_lora(model), adapter)
     abstract = nnx.eval_shape(lambda: Decoder(model.config, dtype=model.dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     merged = []
@@ -202,7 +207,7 @@ def merge_lora(model: Decoder, adapter: int = 0) -> Decoder:
             model,
         )
         if path[-1] == "kernel":
-            value = owner.merged_kernel(adapter)
+            value = owner.merged_kernel(index)
         else:
             value = getattr(owner, str(path[-1]))[...]
         merged.append((path, var.replace(value)))
@@ -228,15 +233,28 @@ def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
     return tensors
 
 
-def save_merged(model: Decoder, directory: str | Path) -> Path:
-    """An HF checkpoint (config.json + model.safetensors) of the merged model."""
+def save_merged(model: Decoder, directory: str | Path, adapter: str | None = None) -> Path:
+    """An HF checkpoint (config.json + model.safetensors) of the merged model (with per-module
+    adapters: of adapter `adapter`)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     dtype = jnp.dtype(model.dtype).name
     (directory / "config.json").write_text(json.dumps(model.config.to_hf(dtype), indent=2))
-    merged = merge_lora(model) if model.lora is not None else model
+    merged = merge_lora(model, adapter) if model.lora is not None else model
     save_file(hf_tensors(merged), directory / "model.safetensors", metadata={"format": "pt"})
     return directory
+
+
+def _adapter_to_merge(lora: LoRAConfig, adapter: str | None) -> int:
+    names = lora.adapter_names
+    if adapter is None and len(names) > 1:
+        raise ValueError(
+            f"the model has {len(names)} adapters {list(names)} (per-module LoRA): name the one "
+            "to merge (adapter=...)"
+        )
+    if adapter is not None and adapter not in names:
+        raise ValueError(f"adapter={adapter!r} is not one of the model's adapters {list(names)}")
+    return 0 if adapter is None else names.index(adapter)
 
 
 def _require_lora(model: Decoder) -> LoRAConfig:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 from collections.abc import Sequence
 
 import jax
@@ -59,6 +60,11 @@ class LoRAConfig:
                 raise ValueError(
                     f"LoRAConfig.modules entries are 'pattern=adapter' (e.g. 'query*=query'), "
                     f"got {entry!r}"
+                )
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", name.strip()):
+                raise ValueError(
+                    f"LoRAConfig.modules adapter names are letters, digits, '_' and '-' (each "
+                    f"names its export folder), got {name.strip()!r} in {entry!r}"
                 )
 
     @property

@@ -42,6 +42,8 @@ class EngineLM:
         self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
         # per-module adapters: route each call by its predictor, or serve one adapter throughout
         adapters = getattr(engine, "num_adapters", 1)
+        if adapter_of is not None and adapter is not None:
+            raise ValueError(f"pass adapter_of or adapter={adapter} to EngineLM, not both")
         if adapters > 1 and adapter_of is None and adapter is None:
             raise ValueError(
                 f"the engine's policy has {adapters} adapters (per-module LoRA): pass "

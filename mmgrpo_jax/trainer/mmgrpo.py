@@ -761,7 +761,7 @@ class MMGRPO:
     ) -> dict[str, float]:
         """The step's per-row sums (the sampler-mismatch weight) summed per module: which
         module's calls the sampler and the trainer disagree on."""
-        if not per_row or jax.process_count() > 1:  # rows of other processes are not here
+        if not per_row:  # every process holds the whole step's rows and the metrics
             return {}
         layout, _ = batch_layout(
             rows, self.config.optim.micro_batch_size, self.config.memory.pack_length or None

@@ -152,6 +152,7 @@ def test_peft_adapter_round_trips(directory, tmp_path):
         ({"modules": ("query*",)}, "entries are 'pattern=adapter'"),
         ({"modules": ("=a",)}, "entries are 'pattern=adapter'"),
         ({"modules": ("q=a=b",)}, "entries are 'pattern=adapter'"),
+        ({"modules": ("q=../x",)}, r"adapter names are letters, .* got '\.\./x'"),
     ],
 )
 def test_bad_lora_configs(kwargs, message):
@@ -262,3 +263,26 @@ def test_stacked_adapters_start_at_the_single_adapters_scale(directory):
         a = np.asarray(model.layers.self_attn.q_proj.lora_a[...])  # [L, (n,) in, r]
         bound = 1 / np.sqrt(a.shape[-2])
         assert bound * 0.8 < np.abs(a).max() <= bound, lora
+
+
+def test_a_merged_model_serves_the_adapter_it_names(directory, tmp_path):
+    model = perturb(from_pretrained(directory, dtype=jnp.float32, lora=TWO), scale=0.3)
+    ids = jnp.asarray(IDS)
+    for index, name in enumerate(TWO.adapter_names):
+        merged = from_pretrained(save_merged(model, tmp_path / name, name), dtype=jnp.float32)
+        want = np.asarray(row_logits(model, ids, jnp.full((2,), index)))
+        np.testing.assert_allclose(np.asarray(logits(merged, ids)), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"2 adapters \['writer', 'reader'\].*name the one"):
+        merge_lora(model)
+    with pytest.raises(ValueError, match=r"adapter='nope' is not one of"):
+        merge_lora(model, "nope")
+
+
+def test_saving_over_the_other_layout_leaves_no_stale_file(directory, tmp_path):
+    folder = tmp_path / "adapter"
+    save_peft_adapter(from_pretrained(directory, dtype=jnp.float32, lora=LORA), folder)
+    save_peft_adapter(from_pretrained(directory, dtype=jnp.float32, lora=TWO), folder)
+    assert not (folder / "adapter_model.safetensors").exists()
+    assert adapter_lora_config(folder).modules == TWO.modules
+    save_peft_adapter(from_pretrained(directory, dtype=jnp.float32, lora=LORA), folder)
+    assert not (folder / "modules.json").exists() and adapter_lora_config(folder).modules == ()
