@@ -58,10 +58,10 @@ class SignalDuringUpdate(MMGRPO):
         super().__init__(*args, **kwargs)
         self.signum, self.at_step = signum, at_step
 
-    def _update(self, learner, batch, guard, step):
+    def _update(self, learner, batch, guard, step, *rest):
         if step + 1 == self.at_step:
             os.kill(os.getpid(), self.signum)  # delivered right away, inside the update
-        return super()._update(learner, batch, guard, step)
+        return super()._update(learner, batch, guard, step, *rest)
 
 
 def run_with(cls, tokenizer, cfg, model=None, metric=reward, **kwargs):
