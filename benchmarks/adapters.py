@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from sampler import interleaved
 from update_profile import rows_of_one_step
 
 from mmgrpo_jax.rl.batch import pack_rows
@@ -33,15 +33,10 @@ SHARED = LoRAConfig(rank=8, alpha=16.0)
 PER_MODULE = dataclasses.replace(SHARED, modules=("country=country", "capital=capital"))
 
 
-def interleaved(first, second, repeats: int) -> tuple[float, float]:
-    """Medians of the two, alternated after one warm call of each."""
+def medians(first, second, repeats: int) -> tuple[float, float]:
+    """Medians of the two, alternated (sampler.py's `interleaved`) after one warm call each."""
     first(), second()
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for fn, bucket in ((first, times[0]), (second, times[1])):
-            start = time.perf_counter()
-            fn()
-            bucket.append(time.perf_counter() - start)
+    times = interleaved(first, second, repeats)
     return float(np.median(times[0])), float(np.median(times[1]))
 
 
@@ -65,7 +60,7 @@ def main() -> None:
     per_module, _, _ = load_checkpoint(args.model, dtype=jnp.float32, lora=PER_MODULE)
     rows = rows_of_one_step(tokenizer, np.random.default_rng(0))  # country, capital, ...
     mixed = [dataclasses.replace(r, adapter=i % 2) for i, r in enumerate(rows)]
-    step_s = interleaved(
+    step_s = medians(
         update(shared, rows, args.micro_batch, 1),
         update(per_module, mixed, args.micro_batch, 2),
         args.repeats,
@@ -73,7 +68,7 @@ def main() -> None:
     prompts = [r.prompt_ids for r in rows[:16]]
     ids = [r.adapter for r in mixed[:16]]
     settings = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "eos_token_ids": ()}
-    sample_s = interleaved(
+    sample_s = medians(
         lambda: generate(shared, prompts, **settings),
         lambda: generate(per_module, prompts, adapter_ids=ids, **settings),
         args.repeats,

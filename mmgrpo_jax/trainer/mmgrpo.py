@@ -33,7 +33,7 @@ from mmgrpo_jax import parallel
 from mmgrpo_jax.engines.base import EngineStats, RolloutEngine, Sampling
 from mmgrpo_jax.engines.continuous import DEFAULT_PREFILL_CHUNK, ContinuousEngine
 from mmgrpo_jax.engines.jax_engine import JaxEngine
-from mmgrpo_jax.engines.lm import EngineLM
+from mmgrpo_jax.engines.lm import EngineLM, module_adapters
 from mmgrpo_jax.engines.local import LocalEngine
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.program.example import Example
@@ -780,8 +780,9 @@ class MMGRPO:
 
     @property
     def _adapter_of(self) -> Callable[[str], int] | None:
-        """A predictor's adapter id with per-module adapters (else every call uses the one)."""
-        return self.config.lora.adapter_id if self.config.per_module_adapters else None
+        """A predictor's adapter id with per-module adapters (else every call uses the one);
+        the model's modules are the config's (checked in __init__)."""
+        return module_adapters(self.model)
 
     def _progress(self, start: int) -> tqdm:
         cfg = self.config
