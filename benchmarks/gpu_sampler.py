@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmgrpo_jax.sampling import generate, length_bucket
+from mmgrpo_jax.sampling import generate, request_slots
 from models.config import ModelConfig
 from models.decoder import Decoder
 
@@ -59,7 +59,7 @@ def main() -> None:
     step = (total - prefill) / (args.new - 1)
 
     weight_bytes = 2 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size)  # embed: a gather
-    slots = length_bucket(args.prompt) + length_bucket(args.new)  # the sampler's own buckets
+    slots = request_slots(args.prompt, args.new)  # the sampler's own buckets
     kv_per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * args.batch
     kv_read = kv_per_slot * slots
     kv_needed = kv_per_slot * (args.prompt + args.new / 2)  # mean filled length

@@ -30,7 +30,7 @@ from flax import nnx
 from mmgrpo_jax.config_files import build_config, config_tree
 from mmgrpo_jax.rl.batch import Row, pack_rows
 from mmgrpo_jax.rl.step import make_train_step, split_for_training
-from mmgrpo_jax.sampling import generate, length_bucket, prompt_bucket
+from mmgrpo_jax.sampling import generate, request_slots
 from mmgrpo_jax.trainer.config import MMGRPOConfig
 from mmgrpo_jax.trainer.mmgrpo import MMGRPO
 from mmgrpo_jax.trainer.plan import plan_memory
@@ -162,7 +162,7 @@ def time_decode(cfg: MMGRPOConfig, sizes: Sizes, model: Decoder) -> dict[str, fl
     total = min(run(sizes.decode_new) for _ in range(2))
     prefill = min(run(1) for _ in range(2))
     step = (total - prefill) / (sizes.decode_new - 1)
-    slots = prompt_bucket(sizes.decode_prompt, chunk) + length_bucket(sizes.decode_new)
+    slots = request_slots(sizes.decode_prompt, sizes.decode_new)
     itemsize = jnp.dtype(cfg.dtype).itemsize
     weights = itemsize * (mc.num_params() - mc.vocab_size * mc.hidden_size)  # embed: a gather
     kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize * batch * slots

@@ -1,57 +1,33 @@
-"""The jitted sampler: prefill + a KV-cache decode loop, ragged prompts, per-row stop (DESIGN 6).
+"""`generate`: sample a completion for every prompt at once (DESIGN section 6).
 
-Prompts are left-padded into a [B, P] bucket so every row's last prompt token sits in slot P-1 and
-decode step i writes slot P+i-1 for all rows at once; RoPE positions count real tokens only.
-Prefill runs the lm_head on the last position only. The decode loop is one `lax.while_loop` that
-stops when every row is done or `max_new_tokens` is reached; the cache is donated into it.
-Batch, prompt and generation lengths are bucketed (`shapes.bucket`), so a run compiles a bounded
-number of times; `max_new_tokens` and `temperature` are traced values and never recompile. Every
-row samples from its own key (token i from fold_in(row key, i)), so a row's tokens do not depend
-on which other rows share its batch (DESIGN section 9).
+There is one sampler, the slot pool (`slot_pool.py`): `generate` admits every request to a pool
+of its own at once (prefill, in chunks when asked, then one decode call), and the continuous
+engine admits requests to a long-lived pool as they come. Both compile the same bucketed shapes
+(`shapes`) and a row draws the same tokens either way: token i of a row comes from
+fold_in(row key, i), so a row's sample depends on its key, prompt and settings, not on which
+other rows share its pass (DESIGN section 9). Settings are per row and traced: changing the
+temperature or a row's token budget never recompiles.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 from typing import Literal
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from mmgrpo_jax.shapes import bucket
-from models.attention import AttentionMask
+from mmgrpo_jax.shapes import cache_bucket, row_bucket, token_bucket
+from mmgrpo_jax.slot_pool import DecodeRows, RowSampling, SlotPool
+from mmgrpo_jax.token_sampling import fold_in_rows
 from models.config import ModelConfig
-from models.decoder import Decoder, KVCache
-from models.sharding import batch_multiple, batch_sharding, cache_sharding
-
-MIN_LENGTH_BUCKET = 16
-LENGTH_GRANULE = 512  # token lengths: powers of two up to here, then multiples of it
-BATCH_GRANULE = 8  # batch sizes likewise
-
-
-def length_bucket(n: int) -> int:
-    """The padded length of n tokens (prompts, completions, training rows)."""
-    return bucket(n, MIN_LENGTH_BUCKET, LENGTH_GRANULE)
-
-
-def prompt_bucket(n: int, prefill_chunk: int = 0) -> int:
-    """The padded length of an n-token prompt: a multiple of the prefill chunk when chunked."""
-    length = length_bucket(n)
-    if 0 < prefill_chunk < length:
-        return -(-length // prefill_chunk) * prefill_chunk
-    return length
-
-
-def batch_bucket(n: int) -> int:
-    """The padded size of a batch of n requests."""
-    return bucket(n, 1, BATCH_GRANULE)
+from models.decoder import Decoder
+from models.sharding import batch_multiple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,233 +35,6 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # log-softmax of logits / temperature (T=1 when greedy), full vocab
     finish_reason: Literal["stop", "length"]
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """The static part of sampling: changing it recompiles."""
-
-    greedy: bool
-    top_k: int
-    top_p: float
-    eos_token_ids: tuple[int, ...]
-
-
-@flax.struct.dataclass
-class DecodeState:
-    step: jax.Array  # [] tokens generated so far
-    tokens: jax.Array  # [B, N]
-    logprobs: jax.Array  # [B, N]
-    lengths: jax.Array  # [B]
-    done: jax.Array  # [B]
-    cache: KVCache
-    keys: jax.Array  # [B] one per row
-
-
-def _sample(
-    logits: jax.Array, keys: jax.Array, temperature: jax.Array, params: SamplingParams
-) -> tuple[jax.Array, jax.Array]:  # logits [B, V], one key per row -> token [B], logprob [B]
-    scaled = logits.astype(jnp.float32)
-    if params.greedy:
-        token = jnp.argmax(scaled, axis=-1)
-    else:
-        scaled = scaled / temperature
-        filtered = scaled
-        if params.top_k > 0:
-            kth = jax.lax.top_k(scaled, params.top_k)[0][:, -1:]
-            filtered = jnp.where(scaled < kth, -jnp.inf, filtered)
-        if params.top_p < 1.0:
-            filtered = nucleus(filtered, params.top_p)
-        token = jax.vmap(jax.random.categorical)(keys, filtered)
-    return token.astype(jnp.int32), chosen_logprob(scaled, token)
-
-
-def nucleus(filtered: jax.Array, top_p: jax.Array | float) -> jax.Array:
-    """Top-p filtering of [B, V] scaled logits (`top_p` a float or [B, 1]): keep the most likely
-    tokens whose mass before them is under top_p."""
-    ordered = jnp.sort(filtered, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(ordered, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-    kept = jnp.where(before < top_p, ordered, jnp.inf)
-    threshold = jnp.min(kept, axis=-1, keepdims=True)
-    return jnp.where(filtered < threshold, -jnp.inf, filtered)
-
-
-def chosen_logprob(scaled: jax.Array, token: jax.Array) -> jax.Array:
-    """log-softmax at the chosen token only: the full [B, V] log-softmax is never materialised."""
-    chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
-    return chosen - jax.nn.logsumexp(scaled, axis=-1)
-
-
-@dataclasses.dataclass(frozen=True)
-class RowFilters:
-    """Which filters some row of a mixed batch uses: static, so a batch without them skips them."""
-
-    any_sampled: bool
-    any_top_k: bool
-    any_top_p: bool
-
-
-def sample_rows(
-    logits: jax.Array,  # [B, V]
-    keys: jax.Array,  # [B] the key of each row's token (already folded with its index)
-    temperature: jax.Array,  # [B] 0 = greedy
-    top_k: jax.Array,  # [B] 0 = off
-    top_p: jax.Array,  # [B] 1 = off
-    filters: RowFilters,
-) -> tuple[jax.Array, jax.Array]:
-    """`_sample` with every row's own settings (the continuous engine's mixed batches): a row
-    draws exactly what `_sample` draws with its settings alone."""
-    greedy = temperature <= 0
-    scaled = logits.astype(jnp.float32)
-    argmax = jnp.argmax(scaled, axis=-1)
-    if not filters.any_sampled:
-        return argmax.astype(jnp.int32), chosen_logprob(scaled, argmax)
-    scaled = scaled / jnp.where(greedy, 1.0, temperature)[:, None]
-    filtered = scaled
-    if filters.any_top_k:
-        ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
-        kth = jnp.take_along_axis(ordered, jnp.maximum(top_k - 1, 0)[:, None], axis=-1)
-        kth = jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
-        filtered = jnp.where(scaled < kth, -jnp.inf, filtered)
-    if filters.any_top_p:
-        filtered = jnp.where(top_p[:, None] < 1.0, nucleus(filtered, top_p[:, None]), filtered)
-    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
-    token = jnp.where(greedy, argmax, drawn)
-    return token.astype(jnp.int32), chosen_logprob(scaled, token)
-
-
-def _attend_mask(valid: jax.Array, first_slot: jax.Array | int, length: int) -> AttentionMask:
-    """Queries at slots first_slot + t see the filled slots up to their own."""
-    slots = first_slot + jnp.arange(length, dtype=jnp.int32)
-    return AttentionMask(jnp.broadcast_to(slots, (valid.shape[0], length)), valid)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "slots", "params", "mesh", "chunk"))
-def _prefill(
-    graphdef: nnx.GraphDef,
-    state: nnx.State,
-    tokens: jax.Array,  # [B, P]
-    valid: jax.Array,  # [B, P]
-    keys: jax.Array,  # [B] one per row
-    temperature: jax.Array,
-    slots: int,
-    params: SamplingParams,
-    mesh: Mesh | None,
-    chunk: int = 0,  # > 0 and dividing P: prefill that many prompt positions at a time
-    adapters: jax.Array | None = None,  # [B] per-row adapter ids (several adapters)
-) -> tuple[jax.Array, jax.Array, KVCache, jax.Array]:
-    model: Decoder = nnx.merge(graphdef, state)
-    use_lora = True if adapters is None else adapters
-    batch, prompt = tokens.shape
-    cache = model.init_cache(batch, slots)
-    if mesh is not None:
-        cache = jax.lax.with_sharding_constraint(cache, _cache_shardings(cache, mesh))
-    cache = cache.replace(valid=cache.valid.at[:, :prompt].set(valid))
-    positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0)
-    if 0 < chunk < prompt:
-        if prompt % chunk:
-            raise ValueError(f"prefill chunk {chunk} does not divide the prompt bucket {prompt}")
-
-        # Chunked prefill: the activations of `chunk` positions at a time, each chunk attending
-        # to the cache filled so far (a 48 x 6,144-token prefill otherwise holds ~15 GB per MLP
-        # activation at 8B).
-        def prefill_chunk(cache, start):
-            ids, pos = (
-                jax.lax.dynamic_slice_in_dim(x, start, chunk, 1) for x in (tokens, positions)
-            )
-            mask = _attend_mask(cache.valid, start, chunk)
-            hidden, cache = model.hidden_states(
-                ids, pos, mask, cache, slot=start, use_lora=use_lora
-            )
-            return cache, hidden[:, -1]
-
-        starts = jnp.arange(0, prompt, chunk, dtype=jnp.int32)
-        cache, last = jax.lax.scan(prefill_chunk, cache, starts)
-        last_hidden = last[-1]
-    else:
-        mask = _attend_mask(cache.valid, 0, prompt)
-        hidden, cache = model.hidden_states(
-            tokens, positions, mask, cache, slot=0, use_lora=use_lora
-        )
-        last_hidden = hidden[:, -1]
-    logits = model.logits(last_hidden)  # last position only: [B, V]
-    token, logprob = _sample(logits, fold_in_rows(keys, 0), temperature, params)
-    return token, logprob, cache, positions[:, -1] + 1
-
-
-def fold_in_rows(keys: jax.Array, data: jax.Array | int) -> jax.Array:
-    """Every row's key folded with its data (or all with the same: the index of the token
-    they draw)."""
-    in_axes = (0, 0 if jnp.ndim(data) else None)
-    return jax.vmap(jax.random.fold_in, in_axes=in_axes)(keys, data)
-
-
-def _cache_shardings(cache: KVCache, mesh: Mesh):
-    kv = cache_sharding(mesh)
-    return KVCache(keys=kv, values=kv, valid=batch_sharding(mesh, 2))
-
-
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "params", "new_bucket"), donate_argnames=("cache",)
-)
-def _decode(
-    graphdef: nnx.GraphDef,
-    state: nnx.State,
-    first_token: jax.Array,  # [B]
-    first_logprob: jax.Array,  # [B]
-    cache: KVCache,
-    next_position: jax.Array,  # [B] position of the first generated token
-    live: jax.Array,  # [B] False for batch padding rows
-    keys: jax.Array,  # [B] one per row
-    temperature: jax.Array,
-    max_new_tokens: jax.Array,
-    params: SamplingParams,
-    new_bucket: int,
-    adapters: jax.Array | None = None,  # [B] per-row adapter ids (several adapters)
-) -> DecodeState:
-    model: Decoder = nnx.merge(graphdef, state)
-    use_lora = True if adapters is None else adapters
-    batch = first_token.shape[0]
-    prompt_slots = cache.valid.shape[1] - new_bucket
-    eos = jnp.asarray(params.eos_token_ids or (-1,), jnp.int32)
-    init = DecodeState(
-        step=jnp.array(1, jnp.int32),
-        tokens=jnp.zeros((batch, new_bucket), jnp.int32).at[:, 0].set(first_token),
-        logprobs=jnp.zeros((batch, new_bucket), jnp.float32).at[:, 0].set(first_logprob),
-        lengths=jnp.ones((batch,), jnp.int32),
-        done=~live | jnp.isin(first_token, eos),
-        cache=cache,
-        keys=keys,
-    )
-
-    def cond(s: DecodeState) -> jax.Array:
-        return (s.step < max_new_tokens) & ~jnp.all(s.done)
-
-    def body(s: DecodeState) -> DecodeState:
-        slot = prompt_slots + s.step - 1  # where the previous token goes
-        previous = s.tokens[:, s.step - 1]
-        cache = s.cache.replace(valid=s.cache.valid.at[:, slot].set(True))
-        positions = (next_position + s.step - 1)[:, None]
-        mask = _attend_mask(cache.valid, slot, 1)
-        hidden, cache = model.hidden_states(
-            previous[:, None], positions, mask, cache, slot=slot, use_lora=use_lora
-        )
-        logits = model.logits(hidden[:, 0])
-        token, logprob = _sample(logits, fold_in_rows(s.keys, s.step), temperature, params)
-        token = jnp.where(s.done, 0, token)
-        logprob = jnp.where(s.done, 0.0, logprob)
-        return DecodeState(
-            step=s.step + 1,
-            tokens=s.tokens.at[:, s.step].set(token),
-            logprobs=s.logprobs.at[:, s.step].set(logprob),
-            lengths=s.lengths + (~s.done).astype(jnp.int32),
-            done=s.done | jnp.isin(token, eos),
-            cache=cache,
-            keys=s.keys,
-        )
-
-    return jax.lax.while_loop(cond, body, init)
 
 
 def check_arguments(
@@ -341,37 +90,41 @@ def generate(
     `keys` ([n] PRNG keys, one per prompt) are the rows' sampling keys; without them row i
     draws from fold_in(key(seed), i). A row's sample depends on its key, prompt and settings
     only, not on the other rows. `prefill_chunk` > 0 prefills prompts longer than it that many
-    tokens at a time (the prompt bucket is then a multiple of it). `max_cache_tokens` bounds
-    padded rows x cache slots of one call: a larger request batch is sampled in several calls.
-    A model with several LoRA adapters (per-module adapters) needs `adapter_ids`, the adapter
-    of each prompt; a batch may mix them.
+    tokens a pass. `max_cache_tokens` bounds rows x cache slots of one pool: a larger request
+    batch is sampled in several pools, one after another. A model with several LoRA adapters
+    (per-module adapters) needs `adapter_ids`, the adapter of each prompt; a batch may mix them.
     """
     if not prompts:
         return []
     check_arguments(prompts, model.config, max_new_tokens, temperature, top_p, top_k)
+    if prefill_chunk < 0:
+        raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
     adapters = check_adapter_ids(model, adapter_ids, len(prompts))
-    params = SamplingParams(
-        greedy=temperature == 0,
-        top_k=int(top_k),
-        top_p=float(top_p),
-        eos_token_ids=tuple(sorted({int(t) for t in eos_token_ids})),
-    )
+    n = len(prompts)
     if keys is None:
-        keys = row_keys(seed, len(prompts))
-    elif keys.shape != (len(prompts),):
-        raise ValueError(f"keys has shape {keys.shape}, want one key per prompt ({len(prompts)},)")
-    per_call = _rows_per_call(prompts, max_new_tokens, prefill_chunk, max_cache_tokens, mesh)
+        keys = row_keys(seed, n)
+    elif keys.shape != (n,):
+        raise ValueError(f"keys has shape {keys.shape}, want one key per prompt ({n},)")
+    sampling = RowSampling(
+        keys=keys,
+        temperature=np.full(n, max(temperature, 0.0), np.float32),
+        top_k=np.full(n, top_k, np.int32),
+        top_p=np.full(n, top_p, np.float32),
+        adapters=np.zeros(n, np.int32) if adapters is None else adapters,
+    )
+    eos = tuple(sorted({int(t) for t in eos_token_ids}))
+    per_call = _rows_per_call(prompts, max_new_tokens, max_cache_tokens, mesh)
+    graphdef, state = nnx.split(model)
     completions: list[Completion] = []
-    for start in range(0, len(prompts), per_call):
-        part = slice(start, start + per_call)
-        completions += _generate_batch(
+    for start in range(0, n, per_call):
+        index = np.arange(start, min(start + per_call, n))
+        completions += _sample_together(
             model,
-            prompts[part],
+            (graphdef, (state,)),
+            [prompts[i] for i in index],
+            sampling.select(index),
             max_new_tokens,
-            temperature,
-            params,
-            keys[part],
-            None if adapters is None else adapters[part],
+            eos,
             mesh,
             prefill_chunk,
         )
@@ -419,17 +172,28 @@ def row_keys(seed: int, n: int) -> jax.Array:
     return fold_in_rows(jnp.broadcast_to(jax.random.key(seed), (n,)), jnp.arange(n))
 
 
-def _rows_per_call(prompts, max_new_tokens, prefill_chunk, max_cache_tokens, mesh) -> int:
-    """The most requests one sampler call takes within the cache budget (all without one)."""
+def decode_steps(max_new_tokens: int) -> int:
+    """The steps of `generate`'s one decode call (its first token comes from the prefill):
+    bucketed, so token budgets share programs; rows stop at their own budget."""
+    return token_bucket(max_new_tokens - 1) if max_new_tokens > 1 else 0
+
+
+def request_slots(prompt_tokens: int, max_new_tokens: int) -> int:
+    """The cache slots a row of `generate`'s pool has for its longest request."""
+    return cache_bucket(prompt_tokens + decode_steps(max_new_tokens))
+
+
+def _rows_per_call(prompts, max_new_tokens, max_cache_tokens, mesh) -> int:
+    """The most requests one pool takes within the cache budget (all without one)."""
     n = len(prompts)
     if not max_cache_tokens:
         return n
-    slots = prompt_bucket(max(map(len, prompts)), prefill_chunk) + length_bucket(max_new_tokens)
+    slots = request_slots(max(map(len, prompts)), max_new_tokens)
     multiple = batch_multiple(mesh)
     fits = rows_within_budget(n, slots, max_cache_tokens, multiple)
     if not fits:
         raise ValueError(
-            f"one request needs {_padded_batch(1, multiple) * slots} cache slots (a prompt of "
+            f"one request needs {row_bucket(1, multiple) * slots} cache slots (a prompt of "
             f"{max(map(len, prompts))} tokens + {max_new_tokens} new, bucketed), more than "
             f"max_cache_tokens={max_cache_tokens}: raise it or shorten the prompts"
         )
@@ -437,88 +201,72 @@ def _rows_per_call(prompts, max_new_tokens, prefill_chunk, max_cache_tokens, mes
 
 
 def rows_within_budget(requests: int, slots: int, max_cache_tokens: int, multiple: int = 1) -> int:
-    """The most of `requests` whose padded batch x `slots` stays within the budget; 0 if none."""
+    """The most of `requests` whose pool rows x `slots` stay within the budget; 0 if none."""
     fits = [
-        b for b in range(1, requests + 1) if _padded_batch(b, multiple) * slots <= max_cache_tokens
+        b for b in range(1, requests + 1) if row_bucket(b, multiple) * slots <= max_cache_tokens
     ]
     return max(fits, default=0)
 
 
-def _padded_batch(n: int, multiple: int) -> int:
-    return -(-batch_bucket(n) // multiple) * multiple
-
-
-def _generate_batch(
+def _sample_together(
     model: Decoder,
+    split: tuple[nnx.GraphDef, tuple[nnx.State, ...]],
     prompts: Sequence[Sequence[int]],
+    sampling: RowSampling,
     max_new_tokens: int,
-    temperature: float,
-    params: SamplingParams,
-    keys: jax.Array,  # [n]
-    adapters: np.ndarray | None,  # [n] adapter ids; None: the model's one adapter (or none)
+    eos: tuple[int, ...],
     mesh: Mesh | None,
     prefill_chunk: int,
 ) -> list[Completion]:
+    """Every request admitted to a fresh pool at once: prompts prefilled (a chunk of the long
+    ones a pass, the last pass sampling every row's first token), then one decode call."""
     n = len(prompts)
-    batch = _padded_batch(n, batch_multiple(mesh))
-    prompt_len = prompt_bucket(max(len(p) for p in prompts), prefill_chunk)
-    new_bucket = length_bucket(max_new_tokens)
-    tokens = np.zeros((batch, prompt_len), np.int32)
-    valid = np.zeros((batch, prompt_len), bool)
-    for i, prompt in enumerate(prompts):
-        tokens[i, prompt_len - len(prompt) :] = prompt
-        valid[i, prompt_len - len(prompt) :] = True
-    valid[n:, -1] = True  # batch padding rows: one dummy token, never reported
-    live = np.arange(batch) < n
-    # batch padding rows draw (and discard) from copies of the first row's key
-    keys = jnp.concatenate([keys, jnp.broadcast_to(keys[0], (batch - n,))])
-    if adapters is not None:  # padding rows: adapter 0
-        adapters = np.concatenate([adapters, np.zeros(batch - n, np.int32)])
-        if mesh is not None:
-            adapters = jax.device_put(adapters, batch_sharding(mesh, 1))
-    if mesh is not None:
-        tokens, valid, live, keys = (
-            jax.device_put(a, batch_sharding(mesh, a.ndim)) for a in (tokens, valid, live, keys)
+    pool = SlotPool(model, row_bucket(n), eos_token_ids=eos, mesh=mesh)
+    steps = decode_steps(max_new_tokens)
+    pool.ensure_slots(max(map(len, prompts)) + steps)  # once: the passes never grow it
+    rows, starts = list(range(n)), [0] * n
+    while prefill_chunk and (
+        long := [i for i in rows if len(prompts[i]) - starts[i] > prefill_chunk]
+    ):
+        pool.extend(  # the first chunk of each long prompt's rest (its sample is not used)
+            split,
+            source_rows=long,
+            rows=long,
+            tokens=[prompts[i][starts[i] : starts[i] + prefill_chunk] for i in long],
+            starts=[starts[i] for i in long],
+            sampling=sampling.select(np.asarray(long)),
         )
-    temp = jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32)
-    graphdef, state = nnx.split(model)
-    first, first_logprob, cache, next_position = _prefill(
-        graphdef,
-        state,
-        tokens,
-        valid,
-        keys,
-        temp,
-        prompt_len + new_bucket,
-        params,
-        mesh,
-        prefill_chunk,
-        adapters,
+        for i in long:
+            starts[i] += prefill_chunk
+    first, first_logprob = pool.extend(
+        split,
+        source_rows=rows,
+        rows=rows,
+        tokens=[p[s:] for p, s in zip(prompts, starts, strict=True)],
+        starts=starts,
+        sampling=sampling,
     )
-    final = _decode(
-        graphdef,
-        state,
-        first,
-        first_logprob,
-        cache,
-        next_position,
-        jnp.asarray(live),
-        keys,
-        temp,
-        jnp.asarray(max_new_tokens, jnp.int32),
-        params,
-        new_bucket,
-        adapters,
-    )
-    out_tokens, out_logprobs, lengths = jax.device_get(
-        (final.tokens, final.logprobs, final.lengths)
-    )
-    eos = set(params.eos_token_ids)
-    completions = []
-    for i in range(n):
-        ids = out_tokens[i, : lengths[i]].tolist()
-        stopped = bool(ids) and ids[-1] in eos
-        completions.append(
-            Completion(ids, out_logprobs[i, : lengths[i]].tolist(), "stop" if stopped else "length")
+    finished = [max_new_tokens == 1 or int(t) in eos for t in first]
+    tokens = [[int(t)] for t in first]
+    logprobs = [[float(lp)] for lp in first_logprob]
+    if not all(finished):
+        result = pool.decode(
+            split,
+            DecodeRows(
+                rows=rows,
+                last_token=[int(t) for t in first],
+                filled=[len(p) for p in prompts],
+                generated=[1] * n,
+                max_new=[1 if done else max_new_tokens for done in finished],
+                sampling=sampling,
+            ),
+            steps,
         )
-    return completions
+        for i in rows:
+            kept = result.tokens[i] >= 0
+            tokens[i] += result.tokens[i][kept].tolist()
+            logprobs[i] += result.logprobs[i][kept].tolist()
+    return [
+        Completion(t, lp, "stop" if t[-1] in eos else "length")
+        for t, lp in zip(tokens, logprobs, strict=True)
+    ]

@@ -1,19 +1,21 @@
-"""The continuous sampler's device side: a pool of KV-cache rows and two jitted passes over it
-(DESIGN section 10).
+"""The sampler's device side: a pool of KV-cache rows and two jitted passes over it (DESIGN
+sections 6 and 10). It is the only sampler: the continuous engine admits requests to a long-lived
+pool as they come, and `sampling.generate` admits a whole batch at once to a pool of its own.
 
 Row r of the pool holds one sequence from slot 0 on: its prompt (the first part possibly copied
 from another row that holds the same prefix), then its sampled tokens; RoPE positions are slots.
-The pool's length grows in granules of 128 slots with the longest request it has held.
+The pool's length grows in granules of `shapes.CACHE_GRANULE` slots with the longest request it
+has held.
 
 `extend` gathers the rows it prefills (from their prefix's donor row, or their own), writes each
 prompt's tokens after its shared part (at most a chunk at a time: the caller splits longer ones),
-samples every row's first token and scatters the rows back. `decode` runs up to `steps` tokens for
-a power-of-two bucket of rows holding the live ones (gathered and scattered back), or for the
-whole pool in place when the bucket is the pool, the cache donated. Every
-row has its own sampling settings and key (token i from fold_in(key, i), as in
-`sampling.generate`), so a row's tokens depend on neither its neighbours nor the moment it was
-scheduled. Shapes are bucketed (rows and tokens of a prefill, the pool's length), so a long run
-compiles a bounded number of programs; `traces` counts this pool's.
+samples every row's first token and scatters the rows back; a pass over every row of the pool, in
+order, works in place. `decode` runs up to `steps` tokens for a bucket of rows holding the live
+ones (gathered and scattered back), or for the whole pool in place when the bucket is the pool,
+the cache donated. Every row has its own sampling settings and key (token i from
+fold_in(key, i)), so a row's tokens depend on neither its neighbours nor the moment it was
+scheduled. Shapes are bucketed (`shapes`: rows and tokens of a pass, the pool's length), so a
+long run compiles a bounded number of programs; `traces` counts this pool's.
 """
 
 from __future__ import annotations
@@ -27,19 +29,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from mmgrpo_jax.sampling import RowFilters, fold_in_rows, sample_rows
-from mmgrpo_jax.shapes import bucket
+from mmgrpo_jax.shapes import cache_bucket, row_bucket, token_bucket
+from mmgrpo_jax.token_sampling import RowFilters, fold_in_rows, sample_rows
 from models.attention import AttentionMask
 from models.decoder import Decoder, KVCache
 from models.sharding import batch_multiple, cache_sharding
-
-WINDOW_GRANULE = 128  # cache slots: the pool's length is a multiple
-PROMPT_GRANULE = 128  # prompt tokens of an extend pass: powers of two up to here, then multiples
-MIN_PROMPT_BUCKET = 16
-
-
-def window_bucket(n: int) -> int:
-    return -(-max(n, 1) // WINDOW_GRANULE) * WINDOW_GRANULE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +92,7 @@ class DecodeResult:
 
 
 class SlotPool:
-    """`rows` cache rows of `slots` slots each (grown in granules of 128 on demand)."""
+    """`rows` cache rows of `slots` slots each (grown in granules of `CACHE_GRANULE` on demand)."""
 
     def __init__(
         self,
@@ -110,8 +104,8 @@ class SlotPool:
         mesh: Mesh | None = None,
     ) -> None:
         """On a `mesh`, rows (of the pool and of every pass) split over its data x fsdp
-        devices and key/value heads over tensor, as the static sampler's: the pool's rows round
-        up to a multiple of those devices."""
+        devices and key/value heads over tensor (`models.sharding.cache_sharding`): the pool's
+        rows round up to a multiple of those devices."""
         if rows < 1:
             raise ValueError(f"a slot pool needs >= 1 rows, got {rows}")
         if max_cache_tokens is not None and max_cache_tokens < 1:
@@ -130,20 +124,15 @@ class SlotPool:
         """Grow every row to hold `needed` slots (existing rows keep their contents)."""
         if needed <= self.slots and self.cache is not None:
             return
-        slots = window_bucket(needed)
+        slots = cache_bucket(needed)
         if self.max_cache_tokens is not None and self.rows * slots > self.max_cache_tokens:
             raise ValueError(
                 f"a request needs {needed} cache slots; {self.rows} rows x {slots} slots exceed "
                 f"max_cache_tokens={self.max_cache_tokens}: raise it, lower the slots, or shorten "
                 "the prompts"
             )
-        cfg, dtype = self._model.config, self._model.dtype
-        shape = (cfg.num_layers, self.rows, cfg.num_kv_heads)
         where = None if self.mesh is None else cache_sharding(self.mesh)
-        fresh = KVCache(
-            jnp.zeros((*shape, cfg.head_dim, slots), dtype, device=where),
-            jnp.zeros((*shape, slots, cfg.head_dim), dtype, device=where),
-        )
+        fresh = self._model.init_cache(self.rows, slots, device=where)
         self.cache = fresh if self.cache is None else _grown(self.cache, fresh)
         self.slots = slots
 
@@ -163,10 +152,11 @@ class SlotPool:
         sampling: RowSampling,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Write each row's `tokens` at slots start..., on top of its source row's first
-        `start` slots, and sample its first token: (tokens [n], logprobs [n])."""
+        `start` slots, and sample its first token: (tokens [n], logprobs [n]). A pass whose rows
+        and sources are the whole pool in order runs in place (no copy of the cache)."""
         n = len(rows)
-        padded = -(-bucket(n) // self.multiple) * self.multiple  # powers of two: few shapes
-        width = bucket(max(map(len, tokens)), MIN_PROMPT_BUCKET, PROMPT_GRANULE)
+        padded = row_bucket(n, self.multiple)
+        width = token_bucket(max(map(len, tokens)))
         ids = np.zeros((padded, width), np.int32)
         for i, row_tokens in enumerate(tokens):
             ids[i, : len(row_tokens)] = row_tokens
@@ -177,14 +167,17 @@ class SlotPool:
         # the whole row (one shape per pool length, not per prompt); padding's writes past
         # the rows' ends drop
         self.ensure_slots(int((start + lengths).max()))
+        everyone = list(range(self.rows))
+        in_place = padded == self.rows and list(rows) + everyone[n:] == everyone
+        in_place = in_place and list(source_rows) == list(rows)
         graphdef, states = model
         self.cache, token, logprob = self._compiling(
-            _extend_jit,
+            extend_pass,
             graphdef,
             states,
             self.cache,
-            self._pad_rows(source_rows, padded),
-            self._pad_rows(rows, padded),
+            None if in_place else self._pad_rows(source_rows, padded),
+            None if in_place else self._pad_rows(rows, padded),
             ids,
             start,
             lengths,
@@ -200,7 +193,7 @@ class SlotPool:
     ) -> DecodeResult:
         """Sample up to `steps` more tokens for every live row (fewer once all have finished).
 
-        The pass computes a power-of-two bucket of rows that holds the live ones (8 live
+        The pass computes a bucket of rows (`shapes.row_bucket`) that holds the live ones (8 live
         requests cost ~8 rows, not the pool's): those rows are gathered from the pool, decoded
         and scattered back, the cache donated. When the bucket is the whole pool it decodes in
         place, idle rows computing and discarding. On SmolLM2-135M a row's decode step is its
@@ -209,7 +202,7 @@ class SlotPool:
         n = len(live.rows)
         self.ensure_slots(max(live.filled) + steps)
         rows = np.asarray(live.rows)
-        width = min(-(-bucket(n) // self.multiple) * self.multiple, self.rows)
+        width = min(row_bucket(n, self.multiple), self.rows)
         if width < self.rows:  # live rows first, then idle rows as padding (distinct rows)
             idle = np.setdiff1d(np.arange(self.rows), rows)[: width - n]
             pass_rows, at = np.concatenate([rows, idle]).astype(np.int32), np.arange(n)
@@ -225,7 +218,7 @@ class SlotPool:
         index[at] = np.arange(n)
         graphdef, states = model
         self.cache, tokens, logprobs = self._compiling(
-            _decode_jit,
+            decode_pass,
             graphdef,
             states,
             self.cache,
@@ -311,8 +304,8 @@ def _extend(
     graphdef: nnx.GraphDef,
     states: tuple[nnx.State, ...],  # merged with graphdef: the model
     cache: KVCache,
-    source_rows: jax.Array,  # [n]
-    rows: jax.Array,  # [n]
+    source_rows: jax.Array | None,  # [n]; None (with rows): the whole pool, in place
+    rows: jax.Array | None,  # [n]
     tokens: jax.Array,  # [n, T] right-padded
     starts: jax.Array,  # [n] first slot written
     lengths: jax.Array,  # [n] real tokens of each row
@@ -323,7 +316,7 @@ def _extend(
 ) -> tuple[KVCache, jax.Array, jax.Array]:
     model: Decoder = nnx.merge(graphdef, *states)
     n, width = tokens.shape
-    part = _gather(cache, source_rows, mesh)
+    part = cache if rows is None else _gather(cache, source_rows, mesh)
     offsets = jnp.arange(width, dtype=jnp.int32)
     positions = starts[:, None] + offsets
     queries = jnp.where(offsets < lengths[:, None], positions, -1)  # padding sees nothing
@@ -333,7 +326,7 @@ def _extend(
     )
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     token, logprob = _row_sample(model.logits(last), sampling.keys, 0, sampling, filters)
-    return _scatter(cache, rows, part), token, logprob
+    return (part if rows is None else _scatter(cache, rows, part)), token, logprob
 
 
 def _decode(
@@ -407,10 +400,11 @@ def _decode(
     return cache, tokens, logprobs
 
 
-_extend_jit = jax.jit(
+# the jitted passes (public for `mmgrpo plan`, which compiles them on abstract inputs)
+extend_pass = jax.jit(
     _extend, static_argnames=("graphdef", "filters", "mesh"), donate_argnames="cache"
 )
-_decode_jit = jax.jit(
+decode_pass = jax.jit(
     _decode,
     static_argnames=("graphdef", "filters", "mesh", "steps", "eos"),
     donate_argnames="pool",

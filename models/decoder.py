@@ -9,6 +9,8 @@ float32. Loading, sharding rules and sampling live in other files.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -84,8 +86,7 @@ class Attention(nnx.Module):
                 keys=_write_slots(cache.keys, k, layer, slot, axis=4),
                 values=_write_slots(cache.values, v, layer, slot, axis=3),
             )
-            k = jax.lax.dynamic_index_in_dim(cache.keys, layer, 0, keepdims=False)
-            v = jax.lax.dynamic_index_in_dim(cache.values, layer, 0, keepdims=False)
+            k, v = _read_layer(cache.keys, layer), _read_layer(cache.values, layer)
             dense = attention.implementation == "dense"
             if isinstance(slot, int) and dense:  # prefill: slots past the prompt are empty
                 k, v, mask = k[..., : slot + t], v[:, :, : slot + t], mask.first_slots(slot + t)
@@ -102,7 +103,7 @@ def _write_slots(
     """Write `new` (one layer's [B, ...] keys or values of T positions) into `cache` at `slot`
     along `axis`: the same slot for every row, or (slot of shape [B]) each row's own (the
     continuous sampler's rows sit at different lengths)."""
-    new = new.astype(cache.dtype)
+    new = _stored(new, cache.dtype)
     if jnp.ndim(slot) == 0:
         start = [layer, 0, 0, 0, 0]
         start[axis] = slot
@@ -116,6 +117,34 @@ def _write_slots(
     if axis == 4:  # keys [layers, B, K, Dh, S]
         return cache.at[layer, rows, :, :, slots].set(moved, mode="drop")
     return cache.at[layer, rows, :, slots, :].set(moved, mode="drop")
+
+
+def cache_storage_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """What a KV cache of `dtype` keys and values is stored as: bfloat16 as its bits (uint16).
+
+    The sampler writes each row at its own slot with a scatter, and a scatter only moves bits:
+    XLA's CPU compiler widens a bfloat16 operand to float32 around it (a copy of twice the whole
+    cache, which a GPU does not make and `mmgrpo plan` on a CPU host would count); on the bits
+    it updates in place on every backend. Reads bitcast one layer back.
+    """
+    return _BF16_BITS if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
+
+
+_BF16_BITS = jnp.dtype(jnp.uint16)
+
+
+def _stored(x: jax.Array, storage: jnp.dtype) -> jax.Array:
+    if storage == _BF16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), _BF16_BITS)
+    return x.astype(storage)
+
+
+def _read_layer(cache: jax.Array, layer: jax.Array | int) -> jax.Array:
+    """One layer of the cache, bfloat16 bits bitcast back."""
+    part = jax.lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False)
+    if part.dtype == _BF16_BITS:
+        return jax.lax.bitcast_convert_type(part, jnp.bfloat16)
+    return part
 
 
 class MLP(nnx.Module):
@@ -159,12 +188,11 @@ class Block(nnx.Module):
 
 @flax.struct.dataclass
 class KVCache:
-    """Every layer's keys and values, stacked, plus which slots hold real tokens (prompts are
-    left-padded)."""
+    """Every layer's keys and values, stacked (stored as `cache_storage_dtype`). Row b holds
+    one sequence from slot 0 on; a query at slot s sees slots up to s."""
 
     keys: jax.Array  # [layers, B, K, Dh, S]
     values: jax.Array  # [layers, B, K, S, Dh]
-    valid: jax.Array | None = None  # [B, S] bool; None: a row holds real tokens up to its length
 
 
 class Decoder(nnx.Module):
@@ -281,13 +309,14 @@ class Decoder(nnx.Module):
         )
         return self.logits(hidden)
 
-    def init_cache(self, batch: int, slots: int, dtype: jnp.dtype | None = None) -> KVCache:
+    def init_cache(self, batch: int, slots: int, device: Any = None) -> KVCache:
+        """An empty cache of `batch` rows x `slots` slots (placed with `device`: a sharding)."""
         cfg = self.config
-        keys = (cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, slots)
-        values = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
-        dtype = dtype or self.dtype
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads)
+        dtype = cache_storage_dtype(self.dtype)
         return KVCache(
-            jnp.zeros(keys, dtype), jnp.zeros(values, dtype), jnp.zeros((batch, slots), bool)
+            jnp.zeros((*shape, cfg.head_dim, slots), dtype, device=device),
+            jnp.zeros((*shape, slots, cfg.head_dim), dtype, device=device),
         )
 
 

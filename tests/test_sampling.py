@@ -7,7 +7,7 @@ import pytest
 import torch
 from flax import nnx
 
-from mmgrpo_jax import sampling
+from mmgrpo_jax import sampling, slot_pool
 from mmgrpo_jax.sampling import generate
 from mmgrpo_jax.shapes import bucket
 from models.attention import AttentionConfig
@@ -91,13 +91,6 @@ def test_chunked_prefill_and_blockwise_attention_give_the_same_samples(model, at
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
 
 
-def test_buckets_are_multiples_past_the_granule():
-    assert [sampling.batch_bucket(n) for n in (1, 3, 8, 9, 48, 50)] == [1, 4, 8, 16, 48, 56]
-    assert [sampling.length_bucket(n) for n in (1, 17, 512, 513, 6144)] == [16, 32, 512, 1024, 6144]
-    assert sampling.prompt_bucket(6000, prefill_chunk=1024) == 6144
-    assert sampling.prompt_bucket(300, prefill_chunk=1024) == 512  # shorter than one chunk
-
-
 def test_max_new_tokens_one(pair):
     model, hf = pair
     out = generate(model, PROMPTS, max_new_tokens=1, temperature=0)
@@ -166,20 +159,24 @@ def test_top_k_and_top_p_keep_samples_inside_the_allowed_set(model):
 
 def test_compiles_a_bounded_number_of_times(checkpoints):
     model = from_pretrained(checkpoints["qwen3_tied"], dtype=jnp.float32)
-    sampling._prefill.clear_cache()
-    sampling._decode.clear_cache()
+    slot_pool.extend_pass.clear_cache()
+    slot_pool.decode_pass.clear_cache()
     rng = np.random.default_rng(1)
-    shapes = set()
+    prefills, decodes = set(), set()
     for _ in range(20):
         batch, longest = int(rng.integers(1, 4)), int(rng.integers(1, 31))
         prompts = [
             rng.integers(0, VOCAB, rng.integers(1, longest + 1)).tolist() for _ in range(batch)
         ]
-        generate(model, prompts, max_new_tokens=int(rng.integers(1, 9)), temperature=0)
-        shapes.add((bucket(batch), bucket(max(map(len, prompts)), 16)))
-    # batch buckets {1, 2, 4} x prompt buckets {16, 32}: at most 6, one per shape seen
-    assert sampling._prefill._cache_size() == len(shapes) <= 6
-    assert sampling._decode._cache_size() == len(shapes)
+        new = int(rng.integers(1, 9))
+        generate(model, prompts, max_new_tokens=new, temperature=0)
+        prefills.add((bucket(batch), bucket(max(map(len, prompts)), 16)))
+        if new > 1:  # one decode call of 16 steps (every budget here buckets there)
+            decodes.add(bucket(batch))
+    # row buckets {1, 2, 4} x prompt buckets {16, 32}, one pool length (128 slots): at most 6
+    # prefill programs, one per shape seen, and a decode program per row bucket
+    assert slot_pool.extend_pass._cache_size() == len(prefills) <= 6
+    assert slot_pool.decode_pass._cache_size() == len(decodes) <= 3
 
 
 @pytest.mark.parametrize(
@@ -204,20 +201,20 @@ def test_empty_prompt_list_returns_nothing(model):
 
 
 def test_a_batch_over_the_cache_budget_is_split_into_independent_calls(model):
-    prompts = [PROMPTS[1]] * 3 + [PROMPTS[3]]  # slots per row: 32 prompt + 16 new = 48
+    prompts = [PROMPTS[1]] * 3 + [PROMPTS[3]]  # slots per row: 20 prompt + 16 steps -> 128
     want = generate(model, prompts, max_new_tokens=5, temperature=0)
-    split = generate(model, prompts, max_new_tokens=5, temperature=0, max_cache_tokens=2 * 48)
+    split = generate(model, prompts, max_new_tokens=5, temperature=0, max_cache_tokens=2 * 128)
     assert [c.token_ids for c in split] == [c.token_ids for c in want]
     # every row draws from its own key: the split samples exactly what one call would
     sampled = generate(model, prompts, max_new_tokens=8, temperature=1.0, seed=1)
     split = generate(
-        model, prompts, max_new_tokens=8, temperature=1.0, seed=1, max_cache_tokens=2 * 48
+        model, prompts, max_new_tokens=8, temperature=1.0, seed=1, max_cache_tokens=2 * 128
     )
     assert [c.token_ids for c in split] == [c.token_ids for c in sampled]
     assert len({tuple(c.token_ids) for c in sampled[:3]}) > 1  # same prompt, different keys
-    too_small = r"one request needs 48 cache slots .* max_cache_tokens=40"
+    too_small = r"one request needs 128 cache slots .* max_cache_tokens=100"
     with pytest.raises(ValueError, match=too_small):
-        generate(model, prompts, max_new_tokens=5, max_cache_tokens=40)
+        generate(model, prompts, max_new_tokens=5, max_cache_tokens=100)
 
 
 def test_a_row_samples_the_same_tokens_whatever_shares_its_batch(model):

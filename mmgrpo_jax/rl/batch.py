@@ -25,24 +25,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmgrpo_jax.rl.grouping import Group
-from mmgrpo_jax.sampling import LENGTH_GRANULE, length_bucket
-from mmgrpo_jax.shapes import bucket
+from mmgrpo_jax.shapes import TOKEN_GRANULE, bucket, token_bucket
 
 # what a row's unit id groups: a grouping rule's "row" / "trajectory" (a group member), or a
 # loss_unit's "rollout" (a trajectory across groups) / "example"
 RowUnit = Literal["row", "trajectory", "rollout", "example"]
 ROW_UNITS: tuple[str, ...] = get_args(RowUnit)
 
-ROW_GRANULE = 64  # training rows up to LENGTH_GRANULE tokens: multiples of this past it
+ROW_LENGTH_GRANULE = 64  # training rows up to TOKEN_GRANULE tokens: multiples of this past it
 
 
 def row_length_bucket(n: int) -> int:
     """The padded length of a micro-batch whose longest row has n tokens: powers of two up to
     64, multiples of 64 up to 512 (a 190-token row pads to 192, not 256: padding is a full
     forward and backward pass), then the sampler's buckets (few shapes where compiles cost)."""
-    if n <= LENGTH_GRANULE:
-        return bucket(n, 16, ROW_GRANULE)
-    return length_bucket(n)
+    if n <= TOKEN_GRANULE:
+        return bucket(n, 16, ROW_LENGTH_GRANULE)
+    return token_bucket(n)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,16 +22,10 @@ from flax import nnx
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.rl.batch import Batch, row_length_bucket
 from mmgrpo_jax.rl.step import FrozenWeights, TrainState, make_train_step
-from mmgrpo_jax.sampling import (
-    MIN_LENGTH_BUCKET,
-    SamplingParams,
-    _decode,
-    _prefill,
-    batch_bucket,
-    length_bucket,
-    prompt_bucket,
-    rows_within_budget,
-)
+from mmgrpo_jax.sampling import decode_steps, request_slots, rows_within_budget
+from mmgrpo_jax.shapes import row_bucket, token_bucket
+from mmgrpo_jax.slot_pool import RowSampling, decode_pass, extend_pass
+from mmgrpo_jax.token_sampling import RowFilters
 from mmgrpo_jax.trainer.config import MMGRPOConfig
 from models.config import ModelConfig
 from models.decoder import Decoder
@@ -305,52 +299,61 @@ def abstract_batch(
 
 
 def _sampler_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, Any]:
+    """The sampler with a full batch of the longest requests admitted at once (`generate`'s
+    pool): a prefill pass of a chunk (or the whole prompt) over every row, in place, and the
+    decode call."""
     s = config.sampler
-    prompt = prompt_bucket(s.max_prompt_tokens, config.memory.prefill_chunk)
-    new = max(length_bucket(s.max_completion_tokens), MIN_LENGTH_BUCKET)
+    chunk = config.memory.prefill_chunk
+    slots = request_slots(s.max_prompt_tokens, s.max_completion_tokens)
+    steps = max(decode_steps(s.max_completion_tokens), 1)
     requests = s.batch
     if s.max_cache_tokens:  # the engine splits a larger batch: plan one call of the split
-        requests = max(1, rows_within_budget(s.batch, prompt + new, s.max_cache_tokens))
-    batch = batch_bucket(requests)
+        requests = max(1, rows_within_budget(s.batch, slots, s.max_cache_tokens))
+    rows = row_bucket(requests)
+    width = token_bucket(min(chunk, s.max_prompt_tokens) if chunk else s.max_prompt_tokens)
     graphdef, state = nnx.split(abstract)
-    params = SamplingParams(greedy=False, top_k=0, top_p=s.top_p, eos_token_ids=(0,))
-    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))  # one per row
-    scalar = _spec((), jnp.float32)
-    rows_i32, rows_f32 = _spec((batch,), jnp.int32), _spec((batch,), jnp.float32)
-    adapters = rows_i32 if config.per_module_adapters else None  # a mixed batch: ids per row
-    prefill = _prefill.lower(
+    rows_i32 = _spec((rows,), jnp.int32)
+    sampling = RowSampling(
+        keys=jax.eval_shape(lambda: jax.random.split(jax.random.key(0), rows)),  # one per row
+        temperature=_spec((rows,), jnp.float32),
+        top_k=rows_i32,
+        top_p=_spec((rows,), jnp.float32),
+        adapters=rows_i32,
+    )
+    filters = RowFilters(any_sampled=True, any_top_k=False, any_top_p=s.top_p < 1)
+    cache = jax.eval_shape(lambda: abstract.init_cache(rows, slots))
+    prefill = extend_pass.lower(
         graphdef,
-        state,
-        _spec((batch, prompt), jnp.int32),
-        _spec((batch, prompt), jnp.bool_),
-        keys,
-        scalar,
-        prompt + new,
-        params,
-        None,
-        config.memory.prefill_chunk,
-        adapters,
-    ).compile()
-    cache = jax.eval_shape(lambda: abstract.init_cache(batch, prompt + new))
-    decode = _decode.lower(
-        graphdef,
-        state,
-        rows_i32,
-        rows_f32,
+        (state,),
         cache,
+        None,  # every row, in place
+        None,
+        _spec((rows, width), jnp.int32),
         rows_i32,
-        _spec((batch,), jnp.bool_),
-        keys,
-        scalar,
-        _spec((), jnp.int32),
-        params,
-        new,
-        adapters,
+        rows_i32,
+        sampling,
+        filters=filters,
+        mesh=None,
+    ).compile()
+    decode = decode_pass.lower(
+        graphdef,
+        (state,),
+        cache,
+        None,  # every row, in place
+        rows_i32,
+        rows_i32,
+        rows_i32,
+        rows_i32,
+        sampling,
+        filters=filters,
+        mesh=None,
+        steps=steps,
+        eos=(0,),
     ).compile()
     (prefill_total, prefill_temp), (decode_total, decode_temp) = map(_footprint, (prefill, decode))
     return {
         "total_bytes": max(prefill_total, decode_total),
         "temp_bytes": max(prefill_temp, decode_temp),
         "cache_bytes": _nbytes(cache),
-        "shape": f"{batch} requests x ({prompt} prompt + {new} new) tokens",
+        "shape": f"{rows} requests x {slots} cache slots ({width}-token prefill passes)",
     }

@@ -76,7 +76,8 @@ def test_concurrent_requests_sample_what_each_alone_samples(model):
         alone += sample_all(eng, [r])
     eng.close()
     assert_same(together, alone)
-    # and what the static sampler returns for each alone, with the request's own key
+    # and what `generate` (the whole batch admitted at once) returns for each alone, with the
+    # request's own key
     for r, got in zip(reqs, together, strict=True):
         s = r.sampling
         [want] = generate(

@@ -30,10 +30,12 @@ def test_the_plan_counts_weights_cache_and_both_phases():
     plan = plan_memory(config(), MODEL, device_bytes=10**12, memory_fraction=0.5)
     lora = 2 * 16 * 1024  # 2 layers x rank 16 x (in + out) summed over the 7 projections
     assert plan.weights_bytes == (MODEL.num_params() + lora) * 4
-    # 6 requests pad to 8; 896 prompt tokens to 1,024, + 128 new: float32 keys and values of
-    # every layer, and one bool per slot saying whether it holds a token
-    layers, kv, dh, slots = MODEL.num_layers, MODEL.num_kv_heads, MODEL.head_dim, 1024 + 128
-    assert plan.kv_cache_bytes == 2 * layers * 8 * kv * dh * slots * 4 + 8 * slots
+    # 6 requests pad to 8 rows; 896 prompt tokens + 128 decode steps fill 1,024 slots: float32
+    # keys and values of every layer
+    layers, kv, dh, slots = MODEL.num_layers, MODEL.num_kv_heads, MODEL.head_dim, 896 + 128
+    assert plan.kv_cache_bytes == 2 * layers * 8 * kv * dh * slots * 4
+    want = "8 requests x 1024 cache slots (1024-token prefill passes)"
+    assert plan.shapes["sampler batch"] == want
     assert plan.sampler_bytes >= plan.weights_bytes + plan.kv_cache_bytes
     assert plan.train_step_bytes >= plan.weights_bytes + plan.train_temp_bytes
     assert plan.usable_bytes == 5 * 10**11 and plan.fits
@@ -162,7 +164,7 @@ def test_the_paper_configs_fit_one_h200(name, capsys):
     argv = ["plan", "--config", f"experiments/configs/{name}.yaml", "--device-memory-gb", "141"]
     assert cli.main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["fits"] is True
+    assert out["fits"] is True, out
     assert out["train_step_bytes"] <= 100e9 and out["sampler_bytes"] <= 100e9
 
 
