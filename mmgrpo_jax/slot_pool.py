@@ -153,7 +153,8 @@ class SlotPool:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Write each row's `tokens` at slots start..., on top of its source row's first
         `start` slots, and sample its first token: (tokens [n], logprobs [n]). A pass whose rows
-        and sources are the whole pool in order runs in place (no copy of the cache)."""
+        are the pool's first rows in order, their own sources, and whose row bucket is the pool
+        runs in place (no copy of the cache); its padding rows leave their rows' slots alone."""
         n = len(rows)
         padded = row_bucket(n, self.multiple)
         width = token_bucket(max(map(len, tokens)))
@@ -162,11 +163,11 @@ class SlotPool:
             ids[i, : len(row_tokens)] = row_tokens
         lengths = np.ones(padded, np.int32)
         lengths[:n] = [len(t) for t in tokens]
-        start = np.zeros(padded, np.int32)
+        self.ensure_slots(max(s + len(t) for s, t in zip(starts, tokens, strict=True)))
+        # padding rows write past the pool's slots, where writes drop: in place, a padding row
+        # is a pool row that may hold another request's cache
+        start = np.full(padded, self.slots, np.int32)
         start[:n] = starts
-        # the whole row (one shape per pool length, not per prompt); padding's writes past
-        # the rows' ends drop
-        self.ensure_slots(int((start + lengths).max()))
         everyone = list(range(self.rows))
         in_place = padded == self.rows and list(rows) + everyone[n:] == everyone
         in_place = in_place and list(source_rows) == list(rows)

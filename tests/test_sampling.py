@@ -78,7 +78,7 @@ def test_greedy_ragged_batch_equals_single_prompts_and_hf(pair):
 
 @pytest.mark.parametrize("attention", ["blockwise"])
 def test_chunked_prefill_and_blockwise_attention_give_the_same_samples(model, attention):
-    """Prefill 8 tokens at a time (prompts up to 40 tokens: 5 chunks, most rows left-padded)."""
+    """Prefill 8 tokens at a time (prompts up to 40 tokens: 5 chunks; short rows in the last)."""
     prompts = [RNG.integers(0, VOCAB, n).tolist() for n in (40, 3, 17)]
     want = generate(model, prompts, max_new_tokens=6, temperature=0.8, seed=3)
     model.attention = AttentionConfig(attention, q_block=4, kv_block=8)
@@ -86,6 +86,18 @@ def test_chunked_prefill_and_blockwise_attention_give_the_same_samples(model, at
         got = generate(model, prompts, max_new_tokens=6, temperature=0.8, seed=3, prefill_chunk=8)
     finally:
         model.attention = AttentionConfig()
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+
+
+def test_a_chunk_pass_over_the_first_rows_leaves_a_later_rows_prompt_alone(model):
+    """Lengths 40, 40, 40, 12 in chunks of 8: the second pass prefills rows 0-2 only, a bucket of
+    4 rows that is the whole pool, so it runs in place with row 3 as its padding; row 3 already
+    holds 8 prompt tokens, which that padding must not overwrite."""
+    prompts = [RNG.integers(0, VOCAB, n).tolist() for n in (40, 40, 40, 12)]
+    want = generate(model, prompts, max_new_tokens=6, temperature=0.8, seed=3)
+    got = generate(model, prompts, max_new_tokens=6, temperature=0.8, seed=3, prefill_chunk=8)
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)

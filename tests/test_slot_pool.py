@@ -15,7 +15,7 @@ PROMPTS = [RNG.integers(0, VOCAB, n).tolist() for n in (5, 12, 1, 20)]
 
 
 def test_a_bfloat16_cache_is_stored_as_its_bits_and_written_in_place(checkpoints):
-    """On float16 bits a per-row scatter updates the cache in place; on bfloat16 XLA's CPU
+    """On uint16 bits a per-row scatter updates the cache in place; on bfloat16 XLA's CPU
     compiler widened the whole cache to float32 around it (temporaries of 2x the cache)."""
     model = from_pretrained(checkpoints["llama31"], dtype=jnp.bfloat16)
     model.attention = AttentionConfig("blockwise", q_block=16, kv_block=256)  # small scores
@@ -56,3 +56,29 @@ def test_greedy_bfloat16_samples_follow_the_uncached_forward(checkpoints):
         start = len(prompt) - 1
         want = logits[start : start + len(completion.token_ids)].argmax(-1)
         assert completion.token_ids == want.tolist()
+
+
+def test_an_in_place_extend_leaves_the_rows_it_pads_with_alone(checkpoints):
+    """Rows 5-7 of an 8-row pool hold prompts (the continuous engine's live or held rows); a
+    pass over rows 0-4 is a bucket of 8 rows, the whole pool, so it runs in place with rows 5-7
+    as its padding: their caches stay as they were."""
+    model = from_pretrained(checkpoints["llama31"])
+    pool = SlotPool(model, 8, eos_token_ids=[0])
+    graphdef, state = nnx.split(model)
+    split = (graphdef, (state,))
+    greedy = np.zeros(8, np.int32)
+    sampling = RowSampling(row_keys(0, 8), np.zeros(8, np.float32), greedy, np.ones(8), greedy)
+
+    def extend(rows, length):
+        tokens = [RNG.integers(0, VOCAB, length).tolist() for _ in rows]
+        index = np.asarray(rows)
+        pool.extend(
+            split, source_rows=rows, rows=rows, tokens=tokens, starts=[0] * len(rows),
+            sampling=sampling.select(index),
+        )  # fmt: skip
+
+    extend([5, 6, 7], 20)
+    held = jax.device_get((pool.cache.keys[:, 5:], pool.cache.values[:, 5:]))
+    extend([0, 1, 2, 3, 4], 9)
+    np.testing.assert_array_equal(jax.device_get(pool.cache.keys[:, 5:]), held[0])
+    np.testing.assert_array_equal(jax.device_get(pool.cache.values[:, 5:]), held[1])
