@@ -87,11 +87,6 @@ class AttentionMask:
         """[B, T, S] bool."""
         return self.allowed(0, self.q_slots.shape[1], 0, self.kv_valid.shape[1])
 
-    def first_slots(self, n: int) -> AttentionMask:
-        """The mask over slots [0, n) only (a prefill whose later slots are still empty)."""
-        kv_seg = None if self.kv_segments is None else self.kv_segments[:, :n]
-        return self.replace(kv_valid=self.kv_valid[:, :n], kv_segments=kv_seg)
-
     def padded(self, queries: int, slots: int) -> AttentionMask:
         """Extra queries that see nothing and extra slots that hold nothing."""
         dq, ds = queries - self.q_slots.shape[1], slots - self.kv_valid.shape[1]

@@ -64,7 +64,7 @@ class Attention(nnx.Module):
         inv_freq: jax.Array,  # [Dh/2]
         cache: KVCache | None,  # every layer's cache; this block reads and writes `layer`'s
         layer: jax.Array | int,
-        slot: jax.Array | int,  # first cache slot written by these T positions ([B]: per row)
+        slot: jax.Array | None,  # [B] each row's first cache slot these T positions write
         use_lora: UseLoRA,
         rngs: nnx.Rngs | None,  # LoRA dropout during training; None disables it
         attention: AttentionConfig,
@@ -87,9 +87,6 @@ class Attention(nnx.Module):
                 values=_write_slots(cache.values, v, layer, slot, axis=3),
             )
             k, v = _read_layer(cache.keys, layer), _read_layer(cache.values, layer)
-            dense = attention.implementation == "dense"
-            if isinstance(slot, int) and dense:  # prefill: slots past the prompt are empty
-                k, v, mask = k[..., : slot + t], v[:, :, : slot + t], mask.first_slots(slot + t)
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim).transpose(0, 2, 1, 3, 4)
         out = attend(q, k, v, mask, attention, cached=cache is not None)  # [B, K, T, G, Dh]
@@ -98,17 +95,11 @@ class Attention(nnx.Module):
 
 
 def _write_slots(
-    cache: jax.Array, new: jax.Array, layer: jax.Array | int, slot: jax.Array | int, axis: int
+    cache: jax.Array, new: jax.Array, layer: jax.Array | int, slot: jax.Array, axis: int
 ) -> jax.Array:
-    """Write `new` (one layer's [B, ...] keys or values of T positions) into `cache` at `slot`
-    along `axis`: the same slot for every row, or (slot of shape [B]) each row's own (the
-    continuous sampler's rows sit at different lengths)."""
+    """Write `new` (one layer's [B, ...] keys or values of T positions) into `cache` along
+    `axis`, each row from its own `slot` [B] on (the pool's rows sit at different lengths)."""
     new = _stored(new, cache.dtype)
-    if jnp.ndim(slot) == 0:
-        start = [layer, 0, 0, 0, 0]
-        start[axis] = slot
-        return jax.lax.dynamic_update_slice(cache, new[None], tuple(start))
-
     # one scatter of every row's T positions (a vmapped update_slice would copy the layer)
     b, t = new.shape[0], new.shape[axis - 1]
     rows = jnp.arange(b)[:, None]
@@ -239,7 +230,7 @@ class Decoder(nnx.Module):
         positions: jax.Array,  # [B, T]
         mask: AttentionMask,
         cache: KVCache | None = None,
-        slot: jax.Array | int = 0,
+        slot: jax.Array | None = None,  # [B], with a cache: where each row's T positions go
         use_lora: UseLoRA = True,
         rngs: nnx.Rngs | None = None,
     ) -> tuple[jax.Array, KVCache | None]:

@@ -92,7 +92,8 @@ def test_later_key_blocks_are_skipped_not_just_masked():
     )
     nan_tail = keys.at[..., T + 3 :].set(jnp.nan), values.at[:, :, T + 3 :].set(jnp.nan)
     out = blockwise_attention(q, *nan_tail, mask, 8, 8)
-    want = dense_attention(q, keys[..., :T], values[:, :, :T], mask.first_slots(T))
+    prompt_only = mask.replace(kv_valid=mask.kv_valid[:, :T])  # the slots a prefill filled
+    want = dense_attention(q, keys[..., :T], values[:, :, :T], prompt_only)
     assert_close(out, want, 2e-5)
 
 
