@@ -6,7 +6,8 @@ times on this machine, each jitted and warm (median of --repeats):
 
 * the train step itself (forward, backward, AdamW) on the whole batch;
 * the decoder body alone (forward and backward of its final hidden states, lm_head excluded);
-* the lm_head and log-softmax alone (forward and backward, from the final hidden states);
+* the lm_head and log-softmax alone (forward and backward, from the final hidden states at the
+  completion targets, the only positions the step sends through it);
 
 and prints the FLOPs of each (counted analytically), the split of the body into attention and
 MLP, the GFLOP/s reached against a square matmul's on the same machine, and the share of token
@@ -113,8 +114,9 @@ def main() -> None:
 
         return jax.grad(loss)(hidden)
 
-    hidden = jnp.zeros((*micro.tokens.shape[:1], micro.tokens.shape[1] - 1, cfg.hidden_size))
-    targets = micro.tokens[:, 1:]
+    # the step's lm_head sees each row's completion targets only (Batch.target_index)
+    targets = micro.target_tokens
+    hidden = jnp.zeros((*targets.shape, cfg.hidden_size))
     # the step donates its state: time it on copies
     step_s = timed(lambda: one_step(jax.tree.map(jnp.copy, state), frozen, batch)[1]["loss"],
                    repeats=args.repeats)  # fmt: skip
@@ -137,7 +139,7 @@ def main() -> None:
     # A LoRA backward computes activation gradients (as many FLOPs as the forward) but no
     # gradients of the frozen weights, so fwd + bwd is 2 x 2 FLOPs per multiply-add.
     body_f = 4 * positions * cfg.num_layers * per_token
-    head_f = 4 * positions * d * cfg.vocab_size
+    head_f = 4 * int(np.prod(batch.target_tokens.shape)) * d * cfg.vocab_size
     print(f"model: {args.model}, {cfg.num_layers} layers, d {d}, float32, LoRA r{lora.rank}")
     print(
         f"batch: {len(rows)} rows in {micro_batches} micro-batches of {batch.tokens.shape[1]} x "

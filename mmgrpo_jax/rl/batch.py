@@ -142,12 +142,18 @@ class Batch:
     num_sequences: jax.Array  # [M] units in the whole step (the same in every entry)
     num_tokens: jax.Array  # [M] completion tokens in the whole step (the same in every entry)
     old_logps: jax.Array | None = None  # [M, b, L-1] before the step's first update
+    # The completion targets, C per row (the step's longest completion, bucketed): only these
+    # positions go through the lm_head; their log-probs land at target_slot of the [L-1] layout.
+    target_index: jax.Array | None = None  # [M, b, C] the forward position that predicts each
+    target_tokens: jax.Array | None = None  # [M, b, C] the completion token it predicts
+    target_slot: jax.Array | None = None  # [M, b, C] its index in [L-1]; L-1 = padding (dropped)
     # Packed rows (`pack_rows(pack_length=...)`): tokens and valid are then [M, P, Lp], P
     # sequences of Lp tokens each holding several rows, and the per-row fields above keep their
-    # [M, b, L-1] layout; row_index says where each row's targets sit in the packed log-probs.
+    # [M, b, L-1] layout; target_index is then a flat index into the [P * Lp] packed positions.
     positions: jax.Array | None = None  # [M, P, Lp] restarting at 0 in every row
     segments: jax.Array | None = None  # [M, P, Lp] which row of the sequence; -1 = padding
-    row_index: jax.Array | None = None  # [M, b, L-1] flat index into [P * (Lp - 1)] log-probs
+    # shared prompts (`share_prompts`): the segment a token also sees, its family's prompt
+    parents: jax.Array | None = None  # [M, P, Lp]
     # per-module adapters: each row's adapter id (padding rows 0); None with one adapter
     adapter_ids: jax.Array | None = None  # [M, b]
 
@@ -200,25 +206,45 @@ def micro_batch_layout(rows: Sequence[Row], micro_batch_size: int) -> list[list[
     return chunks
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a packed row sits in its micro-batch: its sequence, where its prompt starts, and
+    where its completion starts (right after the prompt, or elsewhere in the sequence when the
+    prompt is shared with an earlier row of the same prompt and adapter)."""
+
+    sequence: int
+    prompt_at: int
+    completion_at: int
+
+
 def batch_layout(
-    rows: Sequence[Row], micro_batch_size: int, pack_length: int | None = None
-) -> tuple[list[list[int]], list[list[tuple[int, int]]] | None]:
+    rows: Sequence[Row],
+    micro_batch_size: int,
+    pack_length: int | None = None,
+    share_prompts: bool = False,
+) -> tuple[list[list[int]], list[list[Placement]] | None]:
     """`pack_rows`'s layout: row k of micro-batch m is `rows[layout[m][k]]` in every per-row
-    field (packed or not), and with `pack_length` each row's (sequence, offset)."""
+    field (packed or not), and with `pack_length` each row's placement."""
     if pack_length is None:
+        if share_prompts:
+            raise ValueError("share_prompts needs packed rows (memory.pack_length > 0)")
         return micro_batch_layout(rows, micro_batch_size), None
-    return pack_layout(rows, micro_batch_size, pack_length)
+    return pack_layout(rows, micro_batch_size, pack_length, share_prompts)
 
 
 def pack_layout(
-    rows: Sequence[Row], sequences: int, pack_length: int
-) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
-    """Row indices of each micro-batch, and each row's (sequence, offset) inside it.
+    rows: Sequence[Row], sequences: int, pack_length: int, share_prompts: bool = False
+) -> tuple[list[list[int]], list[list[Placement]]]:
+    """Row indices of each micro-batch, and each row's placement inside it.
 
     Rows go unit by unit, each into the first of the micro-batch's `sequences` sequences with
     room for it; a micro-batch is closed before a unit that does not fit in what is left, so a
-    unit never spans two. A row longer than `pack_length`, or a unit that fits no empty
-    micro-batch, is an error naming the setting.
+    unit never spans two. With `share_prompts`, units go in order of their first row's prompt
+    (and adapter), and a row whose prompt an earlier row of the micro-batch already placed adds
+    only its completion to that row's sequence when it has room: a group's G calls of one
+    module on one input then pay for their prompt once. A
+    row longer than `pack_length`, or a unit that fits no empty micro-batch, is an error naming
+    the setting.
     """
     if sequences < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {sequences}")
@@ -233,26 +259,46 @@ def pack_layout(
             "max_completion_tokens"
         )
     layout: list[list[int]] = [[]]
-    placements: list[list[tuple[int, int]]] = [[]]
+    placements: list[list[Placement]] = [[]]
     fill = [0] * sequences
+    prompts: dict[tuple[int, tuple[int, ...]], Placement] = {}  # the micro-batch's, by key
 
-    def place(members: list[int], fill: list[int]) -> list[tuple[int, int]] | None:
-        trial, spots = list(fill), []
+    def place(members: list[int]) -> list[Placement] | None:
+        trial, shared, spots = list(fill), dict(prompts), []
         for k in members:
+            key = (rows[k].adapter, rows[k].prompt_ids)
+            first = shared.get(key) if share_prompts else None
+            completion = len(rows[k].completion_ids)
+            if first is not None and trial[first.sequence] + completion <= pack_length:
+                seq = first.sequence
+                spots.append(Placement(seq, first.prompt_at, trial[seq]))
+                trial[seq] += completion
+                continue
             room = (i for i, used in enumerate(trial) if used + lengths[k] <= pack_length)
             seq = next(room, None)
             if seq is None:
                 return None
-            spots.append((seq, trial[seq]))
+            prompt = len(rows[k].prompt_ids)
+            spots.append(Placement(seq, trial[seq], trial[seq] + prompt))
+            shared.setdefault(key, spots[-1])
             trial[seq] += lengths[k]
         fill[:] = trial
+        prompts.clear()
+        prompts.update(shared)
         return spots
 
-    for members in _units(rows):
-        spots = place(members, fill)
+    units = _units(rows)
+    if share_prompts:  # a prompt's rows side by side (stable), so they land in one sequence
+        first: dict[tuple[int, tuple[int, ...]], int] = {}
+        for members in units:
+            first.setdefault((rows[members[0]].adapter, rows[members[0]].prompt_ids), len(first))
+        units.sort(key=lambda m: first[(rows[m[0]].adapter, rows[m[0]].prompt_ids)])
+    for members in units:
+        spots = place(members)
         if spots is None:
-            fill = [0] * sequences
-            spots = place(members, fill)
+            fill[:] = [0] * sequences
+            prompts.clear()
+            spots = place(members)
             if spots is None:
                 raise ValueError(
                     f"loss unit {rows[members[0]].unit} (a trajectory or an example) of "
@@ -273,6 +319,7 @@ def pack_rows(
     pack_length: int | None = None,
     row_multiple: int = 1,
     num_adapters: int = 1,
+    share_prompts: bool = False,
 ) -> Batch:
     """Right-padded micro-batches laid out by `micro_batch_layout`; unit ids renumbered.
 
@@ -281,10 +328,14 @@ def pack_rows(
     pass sees no row padded to the longest, attention stays within a row (segments), positions
     restart per row, and the per-row fields (loss mask, advantages, units, sampler log-probs)
     are the same arrays as without packing, so the loss and its normalisers are unchanged
-    (except bnpo's per-micro-batch token mean, which the config refuses to pack). The rows axis
-    of every field is a multiple of `row_multiple` (the devices it splits over). With
-    `num_adapters` > 1 the batch carries each row's adapter id; packing is then refused (a
-    packed sequence would mix adapters within one row of the forward pass).
+    (except bnpo's per-micro-batch token mean, which the config refuses to pack). With
+    `share_prompts` rows of one prompt share its tokens in the packed sequence: each
+    completion attends to the one copy of its prompt (`parents`), whose hidden states, and
+    gradients, are computed once. Either way only the completion targets reach the lm_head
+    (`target_index`). The rows axis of every field is a multiple of `row_multiple` (the
+    devices it splits over). With `num_adapters` > 1 the batch carries each row's adapter id;
+    packing is then refused (a packed sequence would mix adapters within one row of the
+    forward pass).
     """
     if num_adapters > 1 and pack_length is not None:
         raise ValueError(
@@ -300,9 +351,10 @@ def pack_rows(
             f"micro_batch_size={micro_batch_size} does not split over {row_multiple} devices "
             "(data x fsdp); make it a multiple"
         )
-    layout, placements = batch_layout(rows, micro_batch_size, pack_length)
+    layout, placements = batch_layout(rows, micro_batch_size, pack_length, share_prompts)
     longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
     length = row_length_bucket(longest)
+    window = token_bucket(max(len(r.completion_ids) for r in rows))
     # packed: as many row slots as the fullest micro-batch needs (bucketed), one per row
     width = micro_batch_size if placements is None else bucket(max(map(len, layout)))
     width = -(-width // row_multiple) * row_multiple
@@ -315,6 +367,9 @@ def pack_rows(
     advantages = np.zeros(shape, np.float32)
     unit_ids = np.full(shape, -1, np.int32)
     adapter_ids = np.zeros(shape, np.int32)
+    target_index = np.zeros((*shape, window), np.int32)
+    target_tokens = np.zeros((*shape, window), np.int32)
+    target_slot = np.full((*shape, window), length - 1, np.int32)
     for m, chunk in enumerate(layout):
         local: dict[tuple[bool, int], int] = {}
         for i, k in enumerate(chunk):
@@ -329,11 +384,16 @@ def pack_rows(
             advantages[m, i] = row.advantage
             adapter_ids[m, i] = row.adapter
             unit_ids[m, i] = local.setdefault(_unit_key(row, k), len(local))
+            target_index[m, i, :c] = p - 1 + np.arange(c)
+            target_tokens[m, i, :c] = row.completion_ids
+            target_slot[m, i, :c] = p - 1 + np.arange(c)
     units = len(_units(rows))
     completion_tokens = sum(len(r.completion_ids) for r in rows if r.in_loss)
     packed = {}
     if placements is not None:
-        packed = _packed_sequences(tokens, valid, layout, placements, micro_batch_size, pack_length)
+        packed = _packed_sequences(
+            rows, layout, placements, micro_batch_size, pack_length, width, window, share_prompts
+        )
     return Batch(
         tokens=jnp.asarray(packed.pop("tokens", tokens)),
         valid=jnp.asarray(packed.pop("valid", valid)),
@@ -345,38 +405,68 @@ def pack_rows(
         num_sequences=jnp.full(shape[:1], units, jnp.float32),
         num_tokens=jnp.full(shape[:1], completion_tokens, jnp.float32),
         adapter_ids=jnp.asarray(adapter_ids) if num_adapters > 1 else None,
+        target_index=jnp.asarray(packed.pop("target_index", target_index)),
+        target_tokens=jnp.asarray(target_tokens),
+        target_slot=jnp.asarray(target_slot),
         **{k: jnp.asarray(v) for k, v in packed.items()},
     )
 
 
 def _packed_sequences(
-    row_tokens: np.ndarray,  # [M, b, L] right-padded rows
-    row_valid: np.ndarray,
+    rows: Sequence[Row],
     layout: list[list[int]],
-    placements: list[list[tuple[int, int]]],
+    placements: list[list[Placement]],
     sequences: int,
     pack_length: int,
+    width: int,
+    window: int,
+    share_prompts: bool,
 ) -> dict[str, np.ndarray]:
-    """The packed tokens, valid, positions and segments, and each row target's packed index."""
-    m_count, _, length = row_tokens.shape
-    shape = (m_count, sequences, pack_length)
+    """The packed tokens, valid, positions, segments (and parents), and where each row's
+    completion targets are predicted in the flat [P * Lp] packed positions.
+
+    Row i's tokens are segment i. A shared prompt is its own segment (`width` + its first
+    row) that every row of the prompt also sees through `parents`; the first completion token
+    of each such row is predicted from the prompt's last position."""
+    shape = (len(layout), sequences, pack_length)
     tokens, valid = np.zeros(shape, np.int32), np.zeros(shape, bool)
     positions, segments = np.zeros(shape, np.int32), np.full(shape, -1, np.int32)
-    row_index = np.zeros((*row_tokens.shape[:2], length - 1), np.int32)
+    parents = np.full(shape, -1, np.int32)
+    target_index = np.zeros((len(layout), width, window), np.int32)
     for m, spots in enumerate(placements):
-        for i, (seq, offset) in enumerate(spots[: len(layout[m])]):
-            n = int(row_valid[m, i].sum())
-            tokens[m, seq, offset : offset + n] = row_tokens[m, i, :n]
-            valid[m, seq, offset : offset + n] = True
-            positions[m, seq, offset : offset + n] = np.arange(n)
-            segments[m, seq, offset : offset + n] = i
-            # target j of the row (predicting its token j + 1) is packed position offset + j
-            targets = min(n - 1, length - 1)
-            row_index[m, i, :targets] = seq * (pack_length - 1) + offset + np.arange(targets)
-    return {
+        for i, (k, spot) in enumerate(zip(layout[m], spots, strict=True)):
+            row, seq = rows[k], spot.sequence
+            p, c = len(row.prompt_ids), len(row.completion_ids)
+            prompt, completion = (
+                slice(spot.prompt_at, spot.prompt_at + p),
+                slice(spot.completion_at, spot.completion_at + c),
+            )
+            if share_prompts:
+                if segments[m, seq, spot.prompt_at] < 0:  # the prompt's first row writes it
+                    segments[m, seq, prompt] = parents[m, seq, prompt] = width + i
+                parents[m, seq, completion] = segments[m, seq, spot.prompt_at]
+            else:
+                segments[m, seq, prompt] = i
+            segments[m, seq, completion] = i
+            for span, ids, start in (
+                (prompt, row.prompt_ids, 0),
+                (completion, row.completion_ids, p),
+            ):
+                tokens[m, seq, span] = ids
+                valid[m, seq, span] = True
+                positions[m, seq, span] = start + np.arange(len(ids))
+            # completion token 0 is predicted at the prompt's last position, token j at j - 1
+            where = np.concatenate(
+                [[spot.prompt_at + p - 1], spot.completion_at + np.arange(c - 1)]
+            )
+            target_index[m, i, :c] = seq * pack_length + where[:c]
+    packed = {
         "tokens": tokens,
         "valid": valid,
         "positions": positions,
         "segments": segments,
-        "row_index": row_index,
+        "target_index": target_index,
     }
+    if share_prompts:
+        packed["parents"] = parents
+    return packed

@@ -95,22 +95,27 @@ def batch_logprobs(
     rngs: nnx.Rngs | None = None,
     logits_chunk: int = 0,
 ) -> jax.Array:  # [b, L-1] in the micro-batch's row layout, packed or not
-    """A micro-batch's target log-probs; packed sequences are unpacked into their rows.
+    """A micro-batch's target log-probs in its rows' layout, packed or not. Only the completion
+    targets (`Batch.target_index`) go through the lm_head; the rest stay 0 (no loss reads them).
     `use_lora=True` runs each row on its own adapter (`Batch.use_lora`), False on the base."""
-    logps = token_logprobs(
-        model,
-        micro.tokens,
-        micro.valid,
-        temperature,
-        micro.use_lora if use_lora else False,
-        rngs,
-        logits_chunk=logits_chunk,
-        positions=micro.positions,
-        segments=micro.segments,
+    lora = micro.use_lora if use_lora else False
+    if micro.target_index is None:  # the reference: every position of unpacked rows
+        if micro.positions is not None:
+            raise ValueError("packed rows need Batch.target_index (pack_rows fills it)")
+        return token_logprobs(
+            model, micro.tokens, micro.valid, temperature, lora, rngs, logits_chunk=logits_chunk
+        )
+    hidden = model.final_hidden(
+        micro.tokens, micro.valid, micro.positions, micro.segments, lora, rngs, micro.parents
     )
-    if micro.row_index is None:
-        return logps
-    return jnp.take(logps.reshape(-1), micro.row_index)
+    if micro.positions is None:  # unpacked: each row's targets are in its own sequence
+        at = jnp.take_along_axis(hidden, micro.target_index[..., None], axis=1)
+    else:  # packed: a flat index into the micro-batch's sequences
+        at = jnp.take(hidden.reshape(-1, hidden.shape[-1]), micro.target_index, axis=0)
+    logps = target_logprobs(model, at, micro.target_tokens, temperature, logits_chunk)
+    rows, targets = micro.loss_mask.shape
+    placed = jnp.zeros((rows, targets), logps.dtype)
+    return placed.at[jnp.arange(rows)[:, None], micro.target_slot].set(logps, mode="drop")
 
 
 def target_logprobs(

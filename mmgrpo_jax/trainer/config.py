@@ -133,6 +133,10 @@ class MemoryConfig:
     # > 0: a micro-batch is optim.micro_batch_size sequences of this many tokens, training rows
     # packed end to end (no attention across rows); 0: rows padded to the step's longest
     pack_length: int = 0
+    # with pack_length: rows of one prompt (a group's G calls of a module on one input) share
+    # the prompt's tokens in the packed sequence, so its forward and backward run once, not G
+    # times; the log-probs and gradients are those of the rows packed apart
+    share_prompts: bool = False
     # `mmgrpo train` compiles the step and the sampler abstractly before reading weights and
     # refuses a run that cannot fit; false skips that (a run that does not fit then fails at
     # its first out-of-memory error)
@@ -147,6 +151,15 @@ class MemoryConfig:
         for name in ("logits_chunk", "prefill_chunk", "pack_length"):
             if getattr(self, name) < 0:
                 raise _bad(self, name, "must be >= 0 (0 = no chunking)")
+        if self.share_prompts and not self.pack_length:
+            raise _bad(self, "share_prompts", "needs packed rows: set pack_length > 0")
+        if self.share_prompts and self.attention == "pallas":
+            raise _bad(
+                self,
+                "share_prompts",
+                "needs attention 'dense' or 'blockwise' (the Pallas kernel takes segment ids "
+                "only, not a shared prompt's parent segment)",
+            )
 
     @property
     def attention_config(self) -> AttentionConfig:
@@ -265,6 +278,12 @@ class MMGRPOConfig:
                 f"MMGRPOConfig.memory.pack_length={pack} with loss.variant="
                 f"{self.loss.variant!r}: its per-micro-batch token mean depends on which rows "
                 "share a micro-batch, which packing changes; set pack_length=0"
+            )
+        if self.memory.share_prompts and self.lora.dropout > 0:
+            raise ValueError(
+                f"MMGRPOConfig.memory.share_prompts with lora.dropout={self.lora.dropout}: a "
+                "shared prompt runs once, so its rows would share one dropout draw; set "
+                "share_prompts false or dropout 0"
             )
         if pack and self.per_module_adapters:
             raise ValueError(

@@ -579,8 +579,12 @@ class MMGRPO:
                 pack_length,
                 shards,
                 num_adapters=cfg.lora.num_adapters if cfg.per_module_adapters else 1,
+                share_prompts=cfg.memory.share_prompts,
             )
             padding = batch.padding_fraction
+            row_tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts.rows)
+            # the tokens the forward pass holds, against the rows' own (below 1: shared prompts)
+            forward_share = float(np.asarray(batch.valid).sum()) / row_tokens
             seconds["pack"] = time.perf_counter() - start
             compiles = learner.compiles()
             if gradient_is_zero([row.advantage for row in rollouts.rows], cfg.resolved_loss):
@@ -590,6 +594,7 @@ class MMGRPO:
                 update = self._update(learner, batch, guard, step, rollouts.rows)
             update.setdefault("idle_update", 0.0)
             update["padding_fraction"] = padding
+            update["forward_token_share"] = forward_share
             # what the loss normalised by: rows, trajectories or examples (loss_unit)
             update["loss_units"] = float(len({row.unit for row in rollouts.rows}))
             update["perf/train_compiles"] = float(learner.compiles() - compiles)
@@ -763,8 +768,12 @@ class MMGRPO:
         module's calls the sampler and the trainer disagree on."""
         if not per_row:  # every process holds the whole step's rows and the metrics
             return {}
+        memory = self.config.memory
         layout, _ = batch_layout(
-            rows, self.config.optim.micro_batch_size, self.config.memory.pack_length or None
+            rows,
+            self.config.optim.micro_batch_size,
+            memory.pack_length or None,
+            memory.share_prompts,
         )
         sums: dict[str, np.ndarray] = {}
         for m, chunk in enumerate(layout):

@@ -244,6 +244,8 @@ def _train_step_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, A
         old_logps=config.num_iterations > 1,
         pack_length=pack,
         adapter_ids=config.per_module_adapters,
+        window=token_bucket(config.sampler.max_completion_tokens),
+        parents=config.memory.share_prompts,
     )
     step = make_train_step(
         graphdef,
@@ -268,20 +270,29 @@ def abstract_batch(
     old_logps: bool,
     pack_length: int = 0,
     adapter_ids: bool = False,
+    window: int | None = None,
+    parents: bool = False,
 ) -> Batch:
     """A `Batch` of ShapeDtypeStructs: what `pack_rows` would build at these sizes (packed: one
     longest row per sequence, the most per-row slots a full micro-batch can need; with
-    per-module adapters, each row's adapter id)."""
+    per-module adapters, each row's adapter id; `window` completion targets a row, default
+    every position; `parents` for shared prompts)."""
     shape = (micro_batches, rows)
     targets = (*shape, length - 1)
     sequence = (*shape, pack_length or length)
-    packed = {}
+    window = window or length - 1
+    packed = {
+        "target_index": _spec((*shape, window), jnp.int32),
+        "target_tokens": _spec((*shape, window), jnp.int32),
+        "target_slot": _spec((*shape, window), jnp.int32),
+    }
     if pack_length:
-        packed = {
+        packed |= {
             "positions": _spec(sequence, jnp.int32),
             "segments": _spec(sequence, jnp.int32),
-            "row_index": _spec(targets, jnp.int32),
         }
+    if parents:
+        packed["parents"] = _spec(sequence, jnp.int32)
     return Batch(
         tokens=_spec(sequence, jnp.int32),
         valid=_spec(sequence, jnp.bool_),

@@ -137,21 +137,25 @@ def test_packed_rows_hold_every_row_once_with_restarting_positions(trajectories)
     rows = make_rows(seed=2, trajectories=trajectories)
     batch = pack_rows(rows, micro_batch_size=2, pack_length=24)
     tokens, segments = np.asarray(batch.tokens), np.asarray(batch.segments)
-    positions, index = np.asarray(batch.positions), np.asarray(batch.row_index)
+    positions, index = np.asarray(batch.positions), np.asarray(batch.target_index)
+    slots, targets = np.asarray(batch.target_slot), np.asarray(batch.target_tokens)
     assert tokens.shape[1:] == (2, 24) and batch.loss_mask.shape[2] == 15  # rows keep [b, L-1]
     seen = []
     for m in range(tokens.shape[0]):
         units = np.asarray(batch.unit_ids[m])
         for i in np.flatnonzero(units >= 0):
             mask = np.asarray(batch.loss_mask[m, i])
-            where = index[m, i][mask]  # this row's completion targets in the packed log-probs
-            seq = int(where[0]) // 23  # 23 = pack_length - 1 targets per sequence
+            real = slots[m, i] < 15  # the row's completion targets, in order
+            assert slots[m, i][real].tolist() == np.flatnonzero(mask).tolist()
+            where = index[m, i][real]  # flat packed positions predicting them
+            seq = int(where[0]) // 24
             row_tokens = tokens[m, seq][segments[m, seq] == i]
             seen.append(tuple(row_tokens.tolist()))
             assert positions[m, seq][segments[m, seq] == i].tolist() == list(range(len(row_tokens)))
-            # packed target t scores token t + 1 of its sequence: the row's completion tokens
-            targets = tokens[m, :, 1:].reshape(-1)
-            assert targets[where].tolist() == row_tokens[-int(mask.sum()) :].tolist()
+            # packed position t predicts token t + 1 of its sequence: the row's completion
+            completion = row_tokens[-int(mask.sum()) :].tolist()
+            assert tokens[m].reshape(-1)[where + 1].tolist() == completion
+            assert targets[m, i][real].tolist() == completion
     assert sorted(seen) == sorted(r.prompt_ids + r.completion_ids for r in rows)
     if trajectories is not None:  # a trajectory's rows share one micro-batch
         per_micro = [set(np.asarray(batch.unit_ids[m])) - {-1} for m in range(tokens.shape[0])]

@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
-from mmgrpo_jax.rl.batch import pack_rows, rows_from_groups
+from mmgrpo_jax.rl.batch import Row, pack_rows, rows_from_groups
 from mmgrpo_jax.rl.losses import LossConfig, policy_loss
 from mmgrpo_jax.rl.step import (
     ROW_METRIC,
@@ -286,6 +286,33 @@ def test_memory_lean_step_equals_the_reference_step(train, dropout, trajectory_l
         )
 
 
+def step_outcome(batch, cfg):
+    """One SGD step's parameter change and metrics, and each row's masked target log-probs
+    in layout order (the same order whatever the layout)."""
+    optimizer = optax.sgd(1.0)
+    graphdef, state, frozen = split_for_training(fresh_model(), optimizer)
+    before = jax.tree.map(np.asarray, state.trainable)
+    logps = make_logprob_fn(graphdef, TEMPERATURE)(state.trainable, frozen, batch)
+    new_state, metrics = make_train_step(graphdef, optimizer, cfg, TEMPERATURE)(
+        state, frozen, batch
+    )
+    grad = jax.tree.map(lambda a, b: a - np.asarray(b), before, new_state.trainable)
+    mask, units = np.asarray(batch.loss_mask), np.asarray(batch.unit_ids)
+    present = zip(*np.nonzero(units >= 0), strict=True)
+    per_row = [np.asarray(logps)[m, i][mask[m, i]] for m, i in present]
+    return grad, metrics, per_row
+
+
+def assert_same_step(got, want, rtol=1e-5):
+    for name in ("loss", "grad_norm", "kl_mean", "tokens", "ratio_mean"):
+        np.testing.assert_allclose(float(got[1][name]), float(want[1][name]), rtol=rtol)
+    for g, w in zip(got[2], want[2], strict=True):
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-5)
+    jax.tree.map(
+        lambda g, w: np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-6), got[0], want[0]
+    )
+
+
 @pytest.mark.parametrize(
     ("cfg", "trajectory_level"),
     [(LossConfig("dr_grpo", max_completion_length=8, beta=0.04), True)],
@@ -294,33 +321,49 @@ def test_memory_lean_step_equals_the_reference_step(train, dropout, trajectory_l
 def test_packed_rows_give_the_unpacked_step(cfg, trajectory_level):
     tids = [0, 0, 1, 2, 2, 2, 3] if trajectory_level else None
     rows = make_rows(seed=6, trajectories=tids)
-
-    def run(batch):
-        optimizer = optax.sgd(1.0)
-        graphdef, state, frozen = split_for_training(fresh_model(), optimizer)
-        before = jax.tree.map(np.asarray, state.trainable)
-        logps = make_logprob_fn(graphdef, TEMPERATURE)(state.trainable, frozen, batch)
-        new_state, metrics = make_train_step(graphdef, optimizer, cfg, TEMPERATURE)(
-            state, frozen, batch
-        )
-        grad = jax.tree.map(lambda a, b: a - np.asarray(b), before, new_state.trainable)
-        # each row's masked target log-probs, rows in layout order (the same in both layouts)
-        mask, units = np.asarray(batch.loss_mask), np.asarray(batch.unit_ids)
-        present = zip(*np.nonzero(units >= 0), strict=True)
-        per_row = [np.asarray(logps)[m, i][mask[m, i]] for m, i in present]
-        return grad, metrics, per_row
-
-    want = run(pack_rows(rows, micro_batch_size=4))
+    want = step_outcome(pack_rows(rows, micro_batch_size=4), cfg)
     packed = pack_rows(rows, micro_batch_size=2, pack_length=24)
     assert packed.tokens.shape[-1] == 24 and packed.tokens.shape[1] == 2
-    got = run(packed)
-    for name in ("loss", "grad_norm", "kl_mean", "tokens", "ratio_mean"):
-        np.testing.assert_allclose(float(got[1][name]), float(want[1][name]), rtol=1e-5)
-    for g, w in zip(got[2], want[2], strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
-    jax.tree.map(
-        lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), got[0], want[0]
-    )
+    assert_same_step(step_outcome(packed, cfg), want)
+
+
+def rows_of_groups(seed=0, groups=3, size=3):
+    """Module-level group rows: `size` completions of each prompt (a row's unit is its own)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(groups):
+        prompt = tuple(rng.integers(0, 64, rng.integers(4, 10)).tolist())
+        for _ in range(size):
+            completion = tuple(rng.integers(0, 64, rng.integers(1, 7)).tolist())
+            logprobs = tuple(rng.uniform(-3, 0, len(completion)).tolist())
+            rows.append(Row(prompt, completion, float(rng.normal()), -1, logprobs))
+    return rows
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [LossConfig("grpo", beta=0.04), LossConfig("gspo")],
+    ids=["grpo_kl", "gspo"],
+)
+@pytest.mark.parametrize("room", ["roomy", "tight"])
+def test_shared_prompts_give_the_unpacked_step(cfg, room):
+    """Roomy: each prompt packed once; tight (sequences as long as the longest row): a group's
+    rows spill into other sequences and micro-batches, where the prompt is packed again."""
+    rows = rows_of_groups(seed=3)
+    longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+    pack_length = 48 if room == "roomy" else longest
+    want = step_outcome(pack_rows(rows, micro_batch_size=4), cfg)
+    shared = pack_rows(rows, micro_batch_size=2, pack_length=pack_length, share_prompts=True)
+    apart = pack_rows(rows, micro_batch_size=2, pack_length=pack_length)
+    prompts = sum(len(r.prompt_ids) for r in rows[::3])
+    completions = sum(len(r.completion_ids) for r in rows)
+    real = int(np.asarray(shared.valid).sum())
+    assert int(np.asarray(apart.valid).sum()) == 3 * prompts + completions
+    if room == "roomy":
+        assert real == prompts + completions
+    else:
+        assert prompts + completions < real < 3 * prompts + completions
+    assert_same_step(step_outcome(shared, cfg), want)
 
 
 def test_old_logprobs_carry_no_lora_dropout_unlike_trls():
@@ -454,3 +497,13 @@ def test_per_row_sampler_weights_sum_to_the_steps_mean(mode):
     without = make_train_step(graphdef, optimizer, LossConfig("grpo"), TEMPERATURE)
     _, plain = without(split_for_training(fresh_model(), optimizer)[1], frozen, batch)
     assert not any(k.startswith(ROW_METRIC) for k in plain)  # only with a correction
+
+
+def test_shared_prompts_find_a_prompts_rows_wherever_they_come():
+    """Rows of one prompt far apart in the step (as in update_profile.py's rows) still share."""
+    rows = rows_of_groups(seed=4)
+    interleaved = rows[0::3] + rows[1::3] + rows[2::3]
+    shared = pack_rows(interleaved, micro_batch_size=1, pack_length=48, share_prompts=True)
+    prompts = sum(len(r.prompt_ids) for r in rows[::3])
+    completions = sum(len(r.completion_ids) for r in rows)
+    assert int(np.asarray(shared.valid).sum()) == prompts + completions

@@ -6,6 +6,7 @@ import pytest
 from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.trainer.config import (
     DistributedConfig,
+    MemoryConfig,
     MMGRPOConfig,
     OptimConfig,
     ParallelConfig,
@@ -46,6 +47,14 @@ def test_dr_grpo_normalises_by_the_samplers_completion_limit():
         (lambda: MMGRPOConfig(advantage_scale="rank"), "advantage_scale must be a registered"),
         (lambda: MMGRPOConfig(seed=2**32), r"seed must be in \[0, 2\*\*32\)"),
         (lambda: ParallelConfig(fsdp=0), "ParallelConfig.fsdp must be >= 1, got 0"),
+        (
+            lambda: MemoryConfig(share_prompts=True),
+            "MemoryConfig.share_prompts needs packed rows: set pack_length > 0, got True",
+        ),
+        (
+            lambda: MemoryConfig("pallas", share_prompts=True, pack_length=64),
+            "MemoryConfig.share_prompts needs attention 'dense' or 'blockwise'",
+        ),
         (lambda: ParallelConfig(devices=0), "ParallelConfig.devices must be >= 1 or null"),
         (
             lambda: DistributedConfig(num_processes=2),
@@ -76,6 +85,17 @@ def test_dr_grpo_normalises_by_the_samplers_completion_limit():
 def test_every_section_names_its_bad_field(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_shared_prompts_refuse_lora_dropout_whose_draw_they_would_share():
+    from models.lora import LoRAConfig
+
+    with pytest.raises(ValueError, match=r"share_prompts with lora.dropout=0.05: a shared prompt"):
+        MMGRPOConfig(
+            memory=MemoryConfig(pack_length=512, share_prompts=True),
+            lora=LoRAConfig(dropout=0.05),
+            sampler=SamplerConfig(max_prompt_tokens=256, max_completion_tokens=128),
+        )
 
 
 def test_coordinator_addresses_as_users_write_them():

@@ -1,0 +1,97 @@
+"""One LoRA GRPO update on real weights in three row layouts: padded (the default), packed, and
+packed with shared prompts (`memory.share_prompts`), timed interleaved in one run.
+
+The rows are one capitals step (update_profile.py's: 16 rollouts x 2 modules, real prompts,
+random 12-token replies). A module-level group's calls of the country module share their prompt
+exactly; the capital module's share theirs only when the rollouts named the same country.
+`--distinct-capitals` makes every capital prompt differ (the worst case for sharing): the rows as
+built are the best case, where all four rollouts of a question agree.
+
+    .venv/bin/python benchmarks/shared_prompts.py [--model smollm2-135m --repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from sampler import interleaved  # benchmarks/ is this script's sys.path[0]
+from update_profile import rows_of_one_step
+
+from mmgrpo_jax.rl.batch import Batch, pack_rows
+from mmgrpo_jax.rl.losses import LossConfig
+from mmgrpo_jax.rl.step import make_train_step, split_for_training
+from mmgrpo_jax.trainer.config import OptimConfig
+from models.hf import load_checkpoint
+from models.lora import LoRAConfig
+
+
+def distinct_capitals(rows: list, tokenizer) -> list:
+    """Each capital call's prompt made unique (a rollout-specific word before the country)."""
+    out = []
+    for k, row in enumerate(rows):
+        if k % 2:  # rows alternate country, capital
+            extra = tuple(tokenizer.encode(f" variant{k}", add_special_tokens=False))
+            row = dataclasses.replace(
+                row, prompt_ids=row.prompt_ids[:-8] + extra + row.prompt_ids[-8:]
+            )
+        out.append(row)
+    return out
+
+
+def describe(name: str, batch: Batch) -> str:
+    positions = int(np.prod(batch.tokens.shape))
+    real = int(np.asarray(batch.valid).sum())
+    return f"{name:>14}: {positions:5d} positions, {real:5d} real tokens"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--micro-batch", type=int, default=8, help="padded rows a micro-batch")
+    parser.add_argument("--sequences", type=int, default=2, help="packed sequences a micro-batch")
+    parser.add_argument("--pack-length", type=int, default=256)
+    parser.add_argument("--distinct-capitals", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    lora = LoRAConfig(rank=8, alpha=16.0)
+    model, tokenizer, _ = load_checkpoint(args.model, dtype=jnp.float32, lora=lora)
+    rows = rows_of_one_step(tokenizer, np.random.default_rng(0))
+    if args.distinct_capitals:
+        rows = distinct_capitals(rows, tokenizer)
+    batches = {
+        "padded": pack_rows(rows, args.micro_batch),
+        "packed": pack_rows(rows, args.sequences, args.pack_length),
+        "shared prompts": pack_rows(rows, args.sequences, args.pack_length, share_prompts=True),
+    }
+    optimizer = OptimConfig(lr=5e-4).build(10)
+    graphdef, state, frozen = split_for_training(model, optimizer)
+    step = make_train_step(graphdef, optimizer, LossConfig("grpo", beta=0.04), 0.7)
+
+    def runner(batch: Batch):
+        def run() -> float:  # the step donates its state: run it on a copy
+            _, metrics = step(jax.tree.map(jnp.copy, state), frozen, batch)
+            return float(metrics["loss"])
+
+        return run
+
+    losses = {name: runner(batch)() for name, batch in batches.items()}  # compile and warm
+    print(f"model: {args.model}, LoRA r{lora.rank}, float32; {len(rows)} rows of one capitals step")
+    for name, batch in batches.items():
+        print(f"{describe(name, batch)}, loss {losses[name]:+.6f}")
+    padded = runner(batches["padded"])
+    for name in ("packed", "shared prompts"):
+        base, other = interleaved(padded, runner(batches[name]), args.repeats)
+        ratio = np.median(base) / np.median(other)
+        paired = np.asarray(base) / np.asarray(other)
+        print(
+            f"update, padded {np.median(base):6.2f} s vs {name} {np.median(other):6.2f} s: "
+            f"{ratio:.2f}x (paired {paired.min():.2f}-{paired.max():.2f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
