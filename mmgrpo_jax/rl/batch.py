@@ -142,14 +142,18 @@ class Batch:
     num_sequences: jax.Array  # [M] units in the whole step (the same in every entry)
     num_tokens: jax.Array  # [M] completion tokens in the whole step (the same in every entry)
     old_logps: jax.Array | None = None  # [M, b, L-1] before the step's first update
-    # The completion targets, C per row (the step's longest completion, bucketed): only these
-    # positions go through the lm_head; their log-probs land at target_slot of the [L-1] layout.
-    target_index: jax.Array | None = None  # [M, b, C] the forward position that predicts each
-    target_tokens: jax.Array | None = None  # [M, b, C] the completion token it predicts
-    target_slot: jax.Array | None = None  # [M, b, C] its index in [L-1]; L-1 = padding (dropped)
+    # The completion targets, C per forward sequence: only these positions go through the
+    # lm_head; their log-probs land at (target_row, target_slot) of the rows' [L-1] layout.
+    # Unpacked, sequence i is row i (C: the step's longest completion, bucketed); packed, the
+    # targets are grouped by the sequence that predicts them, so a gather stays within a
+    # sequence and the lm_head scores at most the sequences' own positions.
+    target_index: jax.Array | None = None  # [M, S, C] the position in its sequence predicting it
+    target_tokens: jax.Array | None = None  # [M, S, C] the completion token it predicts
+    target_slot: jax.Array | None = None  # [M, S, C] its index in [L-1]; L-1 = padding (dropped)
+    target_row: jax.Array | None = None  # [M, P, C] packed: its row in [b]; None: row = sequence
     # Packed rows (`pack_rows(pack_length=...)`): tokens and valid are then [M, P, Lp], P
     # sequences of Lp tokens each holding several rows, and the per-row fields above keep their
-    # [M, b, L-1] layout; target_index is then a flat index into the [P * Lp] packed positions.
+    # [M, b, L-1] layout.
     positions: jax.Array | None = None  # [M, P, Lp] restarting at 0 in every row
     segments: jax.Array | None = None  # [M, P, Lp] which row of the sequence; -1 = padding
     # shared prompts (`share_prompts`): the segment a token also sees, its family's prompt
@@ -392,7 +396,7 @@ def pack_rows(
     packed = {}
     if placements is not None:
         packed = _packed_sequences(
-            rows, layout, placements, micro_batch_size, pack_length, width, window, share_prompts
+            rows, layout, placements, micro_batch_size, pack_length, width, length, share_prompts
         )
     return Batch(
         tokens=jnp.asarray(packed.pop("tokens", tokens)),
@@ -406,8 +410,8 @@ def pack_rows(
         num_tokens=jnp.full(shape[:1], completion_tokens, jnp.float32),
         adapter_ids=jnp.asarray(adapter_ids) if num_adapters > 1 else None,
         target_index=jnp.asarray(packed.pop("target_index", target_index)),
-        target_tokens=jnp.asarray(target_tokens),
-        target_slot=jnp.asarray(target_slot),
+        target_tokens=jnp.asarray(packed.pop("target_tokens", target_tokens)),
+        target_slot=jnp.asarray(packed.pop("target_slot", target_slot)),
         **{k: jnp.asarray(v) for k, v in packed.items()},
     )
 
@@ -419,11 +423,11 @@ def _packed_sequences(
     sequences: int,
     pack_length: int,
     width: int,
-    window: int,
+    length: int,
     share_prompts: bool,
 ) -> dict[str, np.ndarray]:
-    """The packed tokens, valid, positions, segments (and parents), and where each row's
-    completion targets are predicted in the flat [P * Lp] packed positions.
+    """The packed tokens, valid, positions, segments (and parents), and each sequence's
+    completion targets: where in it each is predicted, its token, its row and row slot.
 
     Row i's tokens are segment i. A shared prompt is its own segment (`width` + its first
     row) that every row of the prompt also sees through `parents`; the first completion token
@@ -432,15 +436,14 @@ def _packed_sequences(
     tokens, valid = np.zeros(shape, np.int32), np.zeros(shape, bool)
     positions, segments = np.zeros(shape, np.int32), np.full(shape, -1, np.int32)
     parents = np.full(shape, -1, np.int32)
-    target_index = np.zeros((len(layout), width, window), np.int32)
+    # (position, token, row, slot) of every target, per (micro-batch, sequence)
+    targets: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
     for m, spots in enumerate(placements):
         for i, (k, spot) in enumerate(zip(layout[m], spots, strict=True)):
             row, seq = rows[k], spot.sequence
             p, c = len(row.prompt_ids), len(row.completion_ids)
-            prompt, completion = (
-                slice(spot.prompt_at, spot.prompt_at + p),
-                slice(spot.completion_at, spot.completion_at + c),
-            )
+            prompt = slice(spot.prompt_at, spot.prompt_at + p)
+            completion = slice(spot.completion_at, spot.completion_at + c)
             if share_prompts:
                 if segments[m, seq, spot.prompt_at] < 0:  # the prompt's first row writes it
                     segments[m, seq, prompt] = parents[m, seq, prompt] = width + i
@@ -448,25 +451,29 @@ def _packed_sequences(
             else:
                 segments[m, seq, prompt] = i
             segments[m, seq, completion] = i
-            for span, ids, start in (
-                (prompt, row.prompt_ids, 0),
-                (completion, row.completion_ids, p),
-            ):
+            spans = ((prompt, row.prompt_ids, 0), (completion, row.completion_ids, p))
+            for span, ids, start in spans:
                 tokens[m, seq, span] = ids
                 valid[m, seq, span] = True
                 positions[m, seq, span] = start + np.arange(len(ids))
             # completion token 0 is predicted at the prompt's last position, token j at j - 1
-            where = np.concatenate(
-                [[spot.prompt_at + p - 1], spot.completion_at + np.arange(c - 1)]
+            where = [spot.prompt_at + p - 1, *(spot.completion_at + np.arange(c - 1))]
+            targets.setdefault((m, seq), []).extend(
+                (int(where[j]), row.completion_ids[j], i, p - 1 + j) for j in range(c)
             )
-            target_index[m, i, :c] = seq * pack_length + where[:c]
-    packed = {
-        "tokens": tokens,
-        "valid": valid,
-        "positions": positions,
-        "segments": segments,
-        "target_index": target_index,
+    most = max(map(len, targets.values()))
+    window = min(token_bucket(most), pack_length)  # a sequence predicts <= Lp tokens
+    out = {
+        "target_index": np.zeros((*shape[:2], window), np.int32),
+        "target_tokens": np.zeros((*shape[:2], window), np.int32),
+        "target_row": np.full((*shape[:2], window), width, np.int32),
+        "target_slot": np.full((*shape[:2], window), length - 1, np.int32),
     }
+    for (m, seq), found in targets.items():
+        columns = np.asarray(found, np.int32).T
+        for name, column in zip(("index", "tokens", "row", "slot"), columns, strict=True):
+            out[f"target_{name}"][m, seq, : len(found)] = column
+    packed = {"tokens": tokens, "valid": valid, "positions": positions, "segments": segments}
     if share_prompts:
         packed["parents"] = parents
-    return packed
+    return packed | out

@@ -108,14 +108,13 @@ def batch_logprobs(
     hidden = model.final_hidden(
         micro.tokens, micro.valid, micro.positions, micro.segments, lora, rngs, micro.parents
     )
-    if micro.positions is None:  # unpacked: each row's targets are in its own sequence
-        at = jnp.take_along_axis(hidden, micro.target_index[..., None], axis=1)
-    else:  # packed: a flat index into the micro-batch's sequences
-        at = jnp.take(hidden.reshape(-1, hidden.shape[-1]), micro.target_index, axis=0)
+    # each sequence's targets are its own positions: the gather stays within a sequence
+    at = jnp.take_along_axis(hidden, micro.target_index[..., None], axis=1)
     logps = target_logprobs(model, at, micro.target_tokens, temperature, logits_chunk)
     rows, targets = micro.loss_mask.shape
+    row = jnp.arange(rows)[:, None] if micro.target_row is None else micro.target_row
     placed = jnp.zeros((rows, targets), logps.dtype)
-    return placed.at[jnp.arange(rows)[:, None], micro.target_slot].set(logps, mode="drop")
+    return placed.at[row, micro.target_slot].set(logps, mode="drop")
 
 
 def target_logprobs(

@@ -280,7 +280,8 @@ def abstract_batch(
     shape = (micro_batches, rows)
     targets = (*shape, length - 1)
     sequence = (*shape, pack_length or length)
-    window = window or length - 1
+    # packed: a sequence's targets, at most its pack_length positions
+    window = pack_length or window or length - 1
     packed = {
         "target_index": _spec((*shape, window), jnp.int32),
         "target_tokens": _spec((*shape, window), jnp.int32),
@@ -290,6 +291,7 @@ def abstract_batch(
         packed |= {
             "positions": _spec(sequence, jnp.int32),
             "segments": _spec(sequence, jnp.int32),
+            "target_row": _spec((*shape, window), jnp.int32),
         }
     if parents:
         packed["parents"] = _spec(sequence, jnp.int32)

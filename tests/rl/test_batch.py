@@ -139,23 +139,24 @@ def test_packed_rows_hold_every_row_once_with_restarting_positions(trajectories)
     tokens, segments = np.asarray(batch.tokens), np.asarray(batch.segments)
     positions, index = np.asarray(batch.positions), np.asarray(batch.target_index)
     slots, targets = np.asarray(batch.target_slot), np.asarray(batch.target_tokens)
+    target_rows = np.asarray(batch.target_row)
     assert tokens.shape[1:] == (2, 24) and batch.loss_mask.shape[2] == 15  # rows keep [b, L-1]
     seen = []
     for m in range(tokens.shape[0]):
         units = np.asarray(batch.unit_ids[m])
         for i in np.flatnonzero(units >= 0):
             mask = np.asarray(batch.loss_mask[m, i])
-            real = slots[m, i] < 15  # the row's completion targets, in order
-            assert slots[m, i][real].tolist() == np.flatnonzero(mask).tolist()
-            where = index[m, i][real]  # flat packed positions predicting them
-            seq = int(where[0]) // 24
+            (seq,) = {s for s in range(2) if (segments[m, s] == i).any()}
             row_tokens = tokens[m, seq][segments[m, seq] == i]
             seen.append(tuple(row_tokens.tolist()))
             assert positions[m, seq][segments[m, seq] == i].tolist() == list(range(len(row_tokens)))
-            # packed position t predicts token t + 1 of its sequence: the row's completion
+            # the row's targets sit with its sequence's, in order, at its loss-mask slots
+            mine = target_rows[m, seq] == i
+            assert slots[m, seq][mine].tolist() == np.flatnonzero(mask).tolist()
+            # position t predicts token t + 1 of the sequence: the row's completion
             completion = row_tokens[-int(mask.sum()) :].tolist()
-            assert tokens[m].reshape(-1)[where + 1].tolist() == completion
-            assert targets[m, i][real].tolist() == completion
+            assert tokens[m, seq][index[m, seq][mine] + 1].tolist() == completion
+            assert targets[m, seq][mine].tolist() == completion
     assert sorted(seen) == sorted(r.prompt_ids + r.completion_ids for r in rows)
     if trajectories is not None:  # a trajectory's rows share one micro-batch
         per_micro = [set(np.asarray(batch.unit_ids[m])) - {-1} for m in range(tokens.shape[0])]
@@ -286,3 +287,14 @@ def test_loss_unit_config_sets_the_aggregation_and_refuses_what_it_would_redefin
         MMGRPOConfig(loss_unit="call", loss=LossConfig("dr_grpo"))
     with pytest.raises(ValueError, match=r"LossConfig\.aggregation must be a registered"):
         LossConfig("grpo", aggregation="median")
+
+
+def test_packed_targets_are_grouped_by_sequence_so_the_lm_head_scores_no_more_than_it():
+    """Many short rows and one long completion: per-row windows would score rows x longest."""
+    rows = [Row((1, 2, 3), (4, 5), 0.5) for _ in range(40)] + [Row((1,), tuple(range(60)), 0.5)]
+    batch = pack_rows(rows, micro_batch_size=2, pack_length=128)
+    m, sequences, window = batch.target_tokens.shape
+    assert sequences == 2 and window <= 128
+    assert m * sequences * window < len(rows) * 64  # what a per-row window of 64 would score
+    placed = np.asarray(batch.target_row) < batch.unit_ids.shape[1]
+    assert placed.sum() == sum(len(r.completion_ids) for r in rows)
