@@ -17,6 +17,7 @@ from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.testing import tiny_decoder
 from mmgrpo_jax.trainer.config import (
     DistributedConfig,
+    MemoryConfig,
     MMGRPOConfig,
     OptimConfig,
     ParallelConfig,
@@ -43,7 +44,7 @@ MESHES = {
 }
 
 
-def losses(tokenizer, tmp_path, name, train, grouping):
+def losses(tokenizer, tmp_path, name, train, grouping, memory=None):
     lora = LoRAConfig(rank=2, alpha=4.0) if train == "lora" else None
     model = tiny_decoder(len(tokenizer), hidden_size=64, lora=lora, seed=1)
     cfg = MMGRPOConfig(
@@ -59,14 +60,17 @@ def losses(tokenizer, tmp_path, name, train, grouping):
         optim=OptimConfig(lr=5e-2 if train == "lora" else 1e-5, micro_batch_size=8),
         loss=LossConfig("grpo", beta=0.04),
         parallel=MESHES[name],
+        memory=memory or MemoryConfig(),
         eval_every=100,
         checkpoint_every=100,
         run_dir=str(tmp_path / name),
         progress=False,
     )
     run(tokenizer, cfg, model)
-    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
-    steps = [r for r in rows if "loss" in r]
+    if memory is not None and memory.share_prompts:  # the rows did share their prompts
+        shares = [r["forward_token_share"] for r in _metric_rows(tmp_path / name) if "loss" in r]
+        assert shares and max(shares) < 1.0, shares
+    steps = [r for r in _metric_rows(tmp_path / name) if "loss" in r]
     return {k: [r[k] for r in steps] for k in ("loss", "grad_norm", "reward_mean", "kl_mean")}
 
 
@@ -86,6 +90,24 @@ def test_sharded_training_matches_one_device(tokenizer, tmp_path, train, groupin
         assert got["reward_mean"] == want["reward_mean"], name  # the same samples
         for key in ("loss", "grad_norm", "kl_mean"):
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def _metric_rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+
+
+def test_shared_prompts_on_a_mesh_match_one_device(tokenizer, tmp_path):
+    """A shared prompt's completions gather its hidden states across the packed sequence and
+    the targets scatter back to rows: with the sequences split over data and fsdp and the
+    weights over tensor, the step must still equal one device's (tests/rl/test_step.py holds
+    it equal to the rows packed apart)."""
+    shared = MemoryConfig(pack_length=256, share_prompts=True)
+    want = losses(tokenizer, tmp_path, "one_device", "lora", "module", shared)
+    assert len(want["loss"]) == 3 and max(map(abs, want["loss"])) > 0
+    got = losses(tokenizer, tmp_path, "data2_fsdp2_tensor2", "lora", "module", shared)
+    assert got["reward_mean"] == want["reward_mean"]  # the same samples
+    for key in ("loss", "grad_norm", "kl_mean"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=key)
 
 
 @pytest.mark.slow
