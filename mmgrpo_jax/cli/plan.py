@@ -20,8 +20,10 @@ from mmgrpo_jax.errors import UserError
 
 # XLA's CPU compiler hoists float32 copies of the stacked weights and of the saved block inputs
 # out of the layer loop (its dots have no bfloat16 kernels): ~45 GB that a GPU compile does not
-# allocate at Qwen3-8B. A CPU plan of a GPU run therefore compiles without that pass.
-CPU_PLAN_FLAGS = "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
+# allocate at Qwen3-8B. A CPU plan of a GPU run therefore compiles without that pass. These are
+# options of the plan's own compiles, not XLA_FLAGS, which a process reads once: a plan after
+# anything else was compiled (a test suite, a notebook) would silently count the copies.
+CPU_PLAN_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,18 +46,11 @@ def _cpu_only() -> bool:
     )
 
 
-def prepare_cpu_flags() -> None:
-    """Before jax starts its backend: the CPU plan's compiler flags (see CPU_PLAN_FLAGS)."""
-    if _cpu_only() and CPU_PLAN_FLAGS not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_PLAN_FLAGS}".strip()
-
-
 def run(request: PlanRequest, out: TextIO) -> int:
     if request.device_memory_gb is not None and not request.device_memory_gb > 0:
         raise UserError(f"--device-memory-gb must be > 0, got {request.device_memory_gb}")
     if request.memory_fraction is not None and not 0 < request.memory_fraction <= 1:
         raise UserError(f"--memory-fraction must be in (0, 1], got {request.memory_fraction}")
-    prepare_cpu_flags()
     from mmgrpo_jax.trainer.config import MMGRPOConfig
     from mmgrpo_jax.trainer.plan import plan_memory, usable_fraction
     from models.config import preset
@@ -89,7 +84,14 @@ def run(request: PlanRequest, out: TextIO) -> int:
         fraction = usable_fraction("gpu") if fraction is None else fraction
     else:
         device = device_memory_bytes()
-    plan = plan_memory(config, model_config, device, model_name=name, memory_fraction=fraction)
+    plan = plan_memory(
+        config,
+        model_config,
+        device,
+        model_name=name,
+        memory_fraction=fraction,
+        compiler_options=CPU_PLAN_OPTIONS if _cpu_only() else None,
+    )
     if request.as_json:
         print(json.dumps(plan.to_json()), file=out)
     else:

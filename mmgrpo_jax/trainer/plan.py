@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -159,8 +160,11 @@ def plan_memory(
     *,
     model_name: str = "",
     memory_fraction: float | None = None,
+    compiler_options: Mapping[str, str] | None = None,
 ) -> MemoryPlan:
-    """Compile (never run) the config's train step and sampler and read their buffer sizes."""
+    """Compile (never run) the config's train step and sampler and read their buffer sizes.
+    `compiler_options`: XLA options for these compiles only (`mmgrpo plan` on a CPU host turns
+    off a CPU-only pass), whatever this process compiled before."""
     if config.sampler.max_prompt_tokens is None:
         raise UserError(
             "MMGRPOConfig.sampler.max_prompt_tokens is null: a memory plan needs the longest "
@@ -188,8 +192,9 @@ def plan_memory(
             rngs=nnx.Rngs(0),
         )
     )
-    train = _train_step_analysis(config, abstract)
-    sampler = _sampler_analysis(config, abstract)
+    options = dict(compiler_options or {})
+    train = _train_step_analysis(config, abstract, options)
+    sampler = _sampler_analysis(config, abstract, options)
     weights = _nbytes(nnx.state(abstract))
     platform = jax.devices()[0].platform
     fraction = usable_fraction(platform) if memory_fraction is None else memory_fraction
@@ -225,7 +230,9 @@ def _spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _train_step_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, Any]:
+def _train_step_analysis(
+    config: MMGRPOConfig, abstract: Decoder, options: dict[str, str]
+) -> dict[str, Any]:
     optimizer = config.optim.build(config.num_steps)
     graphdef, params, base = nnx.split(abstract, config.trainable, ...)
     opt_state = jax.eval_shape(optimizer.init, params)
@@ -254,7 +261,7 @@ def _train_step_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, A
         config.sampler.temperature,
         config.memory.logits_chunk,
     )
-    total, temp = _footprint(step.lower(state, frozen, batch).compile())
+    total, temp = _footprint(step.lower(state, frozen, batch).compile(options))
     return {
         "total_bytes": total,
         "temp_bytes": temp,
@@ -311,7 +318,9 @@ def abstract_batch(
     )
 
 
-def _sampler_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, Any]:
+def _sampler_analysis(
+    config: MMGRPOConfig, abstract: Decoder, options: dict[str, str]
+) -> dict[str, Any]:
     """The sampler with a full batch of the longest requests admitted at once (`generate`'s
     pool): a prefill pass of a chunk (or the whole prompt) over every row, in place, and the
     decode call."""
@@ -347,7 +356,7 @@ def _sampler_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, Any]
         sampling,
         filters=filters,
         mesh=None,
-    ).compile()
+    ).compile(options)
     decode = decode_pass.lower(
         graphdef,
         (state,),
@@ -362,7 +371,7 @@ def _sampler_analysis(config: MMGRPOConfig, abstract: Decoder) -> dict[str, Any]
         mesh=None,
         steps=steps,
         eos=(0,),
-    ).compile()
+    ).compile(options)
     (prefill_total, prefill_temp), (decode_total, decode_temp) = map(_footprint, (prefill, decode))
     return {
         "total_bytes": max(prefill_total, decode_total),

@@ -4,6 +4,7 @@ import json
 import pytest
 
 from mmgrpo_jax import cli
+from mmgrpo_jax.cli.plan import CPU_PLAN_OPTIONS
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.trainer.config import MemoryConfig, MMGRPOConfig, OptimConfig, SamplerConfig
 from mmgrpo_jax.trainer.plan import check_fits, plan_memory
@@ -157,10 +158,22 @@ def test_plan_command_json_from_a_checkpoint(checkpoints, tmp_path, capsys):
     assert out["fits"] is True and out["train_step_bytes"] > 0 and out["sampler_bytes"] > 0
 
 
+def test_the_cpu_plan_options_act_in_a_process_that_compiled_before():
+    """A bfloat16 policy on a CPU host: XLA's CPU-only hoisted float32 copies are left out by
+    the plan's own compile options, even after this process compiled (XLA_FLAGS, which a
+    process reads once, were silently ignored there: the 8B plan read 97 GB, not 49)."""
+    cfg = dataclasses.replace(config(memory=LEAN, prompt=128, completion=32), dtype="bfloat16")
+    plain = plan_memory(cfg, MODEL, 10**12)  # jax's backend is up and has compiled
+    gpu_like = plan_memory(cfg, MODEL, 10**12, compiler_options=CPU_PLAN_OPTIONS)
+    assert gpu_like.train_temp_bytes < plain.train_temp_bytes
+    assert gpu_like.weights_bytes == plain.weights_bytes
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["hover_qwen3_8b", "hover_llama31_8b"])
 def test_the_paper_configs_fit_one_h200(name, capsys):
-    """The README's table: ~40 s each on 2 cores (8B shapes compiled, nothing allocated)."""
+    """The README's table: ~40 s each on 2 cores (8B shapes compiled, nothing allocated), in
+    any order with the other tests."""
     argv = ["plan", "--config", f"experiments/configs/{name}.yaml", "--device-memory-gb", "141"]
     assert cli.main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
