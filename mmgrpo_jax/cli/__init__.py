@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--baseline", help='the cell to compare with, e.g. "grouping=module"')
     sweep.add_argument("--threshold", type=float, help="a curve value to count steps to")
     sweep.add_argument(
+        "--diagnostics",
+        help='metrics.jsonl keys averaged per run and cell, e.g. "kl_mean,clip_low_fraction"',
+    )
+    sweep.add_argument(
         "--report-only",
         action="store_true",
         help="start no run: write the table of the runs finished so far",
@@ -308,6 +312,7 @@ def _sweep(args: argparse.Namespace) -> int:
                 out=args.out,
                 baseline=args.baseline,
                 threshold=args.threshold,
+                diagnostics=args.diagnostics,
                 **({"overrides": args.overrides} if args.overrides else {}),
             )
             report = run_sweep(config, out=sys.stdout, report_only=args.report_only)

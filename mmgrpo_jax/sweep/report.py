@@ -13,6 +13,7 @@ import csv
 import dataclasses
 import io
 import json
+import logging
 import math
 import statistics
 from collections.abc import Sequence
@@ -34,6 +35,8 @@ from mmgrpo_jax.sweep.stats import (
 )
 from mmgrpo_jax.trainer.run_log import read_rows, write_atomic
 
+logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class RunResult:
@@ -46,6 +49,8 @@ class RunResult:
     # at which it reached the threshold as the sweep recorded it
     recorded: bool = False
     recorded_steps: float | None = None
+    # per `diagnostics` key the run logged: its mean over the metrics.jsonl rows carrying it
+    diagnostics: tuple[tuple[str, float], ...] = ()
 
     def steps_to(self, threshold: float) -> float | None:
         if self.recorded:
@@ -78,12 +83,17 @@ def read_run(config: SweepConfig, cell: Cell, seed: int) -> RunResult:
     if not isinstance(score, int | float) or isinstance(score, bool) or not math.isfinite(score):
         raise UnreadableRun(f"{path}: {config.score} is {score!r}, not a finite number")
     curve = []
+    logged: dict[str, list[float]] = {key: [] for key in config.diagnostics}
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         for row in read_rows(metrics):
             if config.curve in row:
                 curve.append((float(row["step"]), float(row[config.curve])))
-    return RunResult(cell, seed, float(score), tuple(curve), wall_seconds)
+            for key, values in logged.items():
+                if isinstance(row.get(key), int | float) and math.isfinite(row[key]):
+                    values.append(float(row[key]))
+    diagnostics = tuple((k, float(np.mean(v))) for k, v in logged.items() if v)
+    return RunResult(cell, seed, float(score), tuple(curve), wall_seconds, diagnostics=diagnostics)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +288,56 @@ def runs_csv(config: SweepConfig, results: Sequence[RunResult]) -> str:
     return buffer.getvalue()
 
 
+def diagnostics_tables(config: SweepConfig, results: Sequence[RunResult]) -> tuple[str, str]:
+    """diagnostics.md and diagnostics.csv: per cell and key, the mean over seeds of each run's
+    mean, with the seeds' range. Runs read back from runs.csv have no metrics and count in
+    no cell here; a key no run logged is named, not left out."""
+    axes = [axis.name for axis in config.grid]
+    keys = config.diagnostics
+    per_cell: dict[Cell, dict[str, list[float]]] = {c: {k: [] for k in keys} for c in config.cells}
+    for result in results:
+        for key, value in result.diagnostics:
+            per_cell[result.cell][key].append(value)
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow([*axes, "key", "runs", "mean", "min", "max"])
+    head = [*axes, "runs", *(f"`{k}`" for k in keys)]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for cell, values in per_cell.items():
+        labels = dict(cell.labels)
+        runs = sum(not r.recorded for r in results if r.cell == cell)
+        cells = [*(labels[a] for a in axes), str(runs)]
+        for key in keys:
+            seen = values[key]
+            low, high = (min(seen), max(seen)) if seen else (None, None)
+            mean = float(np.mean(seen)) if seen else None
+            writer.writerow(
+                [*(labels[a] for a in axes), key, len(seen)]
+                + [_number(v, 6) for v in (mean, low, high)]
+            )
+            text = _number(mean)
+            if len(seen) > 1:
+                text += f" [{_number(low)}, {_number(high)}]"
+            cells.append(text)
+        lines.append("| " + " | ".join(cells) + " |")
+    read = [r for r in results if not r.recorded]
+    missing = [
+        k for k in keys if read and not any(k == key for r in read for key, _ in r.diagnostics)
+    ]
+    title = config.title or f"Sweep over {', '.join(axes) or 'the base config'}"
+    text = (
+        f"# Diagnostics: {title}\n\n{describe(config)}. Per run, the mean of each key over "
+        "the metrics.jsonl rows that log it (its training steps); per cell, the mean over "
+        "seeds and [the lowest, the highest] seed. Written by `mmgrpo sweep`.\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
+    if missing:
+        logger.warning("%s: no finished run logged the diagnostics %s", config.out, missing)
+        text += f"\nNo finished run logged {missing}: check the key's spelling in metrics.jsonl.\n"
+    return text, buffer.getvalue()
+
+
 def recorded_runs(config: SweepConfig, results: Sequence[RunResult]) -> list[RunResult]:
     """The runs the sweep folder's runs.csv lists as finished that `results` lacks (their run
     folders are gone, e.g. a fresh clone of committed results), as the sweep recorded them:
@@ -399,7 +459,8 @@ def _write_plot(plot, config: SweepConfig, results: Sequence[RunResult], path: P
 
 
 def write_report(config: SweepConfig, results: Sequence[RunResult]) -> list[CellRow]:
-    """table.md, table.csv, runs.csv, curves.png and profiles.png under the sweep folder, each
+    """table.md, table.csv, runs.csv, curves.png and profiles.png (and with `diagnostics`,
+    diagnostics.md and diagnostics.csv) under the sweep folder, each
     replaced atomically so a reader (or a kill) never sees half a file. curves.png is left as
     it is when some runs are only records (their curves are gone)."""
     out = Path(config.out)
@@ -411,6 +472,10 @@ def write_report(config: SweepConfig, results: Sequence[RunResult]) -> list[Cell
         ("runs.csv", runs_csv(config, results)),
     ):
         write_atomic(out / name, text)
+    if config.diagnostics:
+        text, table = diagnostics_tables(config, results)
+        write_atomic(out / "diagnostics.md", text)
+        write_atomic(out / "diagnostics.csv", table)
     if results:  # from the final scores alone: a record in runs.csv is enough
         _write_plot(plot_profiles, config, results, out / "profiles.png")
     if any(r.curve for r in results) and not any(r.recorded for r in results):

@@ -104,6 +104,9 @@ class SweepConfig:
     score: str = "eval_reward_after"  # summary.json's key for a run's final score
     curve: str = "eval_reward"  # metrics.jsonl's key for learning curves and steps-to-threshold
     threshold: float | None = None
+    # metrics.jsonl keys to explain the scores with (clip fractions, zero-variance shares, KL):
+    # each run's mean over the rows that log one, per cell in diagnostics.md / diagnostics.csv
+    diagnostics: tuple[str, ...] = ()
     confidence: float = 0.95
     title: str = ""
 
@@ -312,6 +315,8 @@ def sweep_config(values: Mapping[str, Any], where: str = "sweep") -> SweepConfig
         if isinstance(overrides, str) or not isinstance(overrides, list):
             raise UserError(f"{where}: overrides must be a list of key=value, got {overrides!r}")
         kwargs["overrides"] = tuple(str(o) for o in overrides)
+    if "diagnostics" in kwargs:
+        kwargs["diagnostics"] = parse_keys(kwargs["diagnostics"], f"{where}: diagnostics")
     for key, kind in (("jobs", int), ("threshold", float), ("confidence", float)):
         value = kwargs.get(key)
         allowed = int if kind is int else int | float
@@ -325,6 +330,19 @@ def sweep_config(values: Mapping[str, Any], where: str = "sweep") -> SweepConfig
         if key in kwargs and kwargs[key] is not None and not isinstance(kwargs[key], str):
             raise UserError(f"{where}: {key} must be a string, got {kwargs[key]!r}")
     return SweepConfig(**kwargs)
+
+
+def parse_keys(value: Any, where: str) -> tuple[str, ...]:
+    """Metric keys as a list, or one string of keys separated by commas (the command line's)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [k.strip() for k in value.split(",") if k.strip()]
+    if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
+        raise UserError(f"{where} must be a list of metrics.jsonl keys, got {value!r}")
+    if len(set(value)) != len(value):
+        raise UserError(f"{where} names a key twice: {value}")
+    return tuple(value)
 
 
 def load_sweep(path: str | Path | None, **cli: Any) -> SweepConfig:

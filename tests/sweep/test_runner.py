@@ -335,3 +335,33 @@ def test_a_better_together_run_is_finished_by_its_own_summary_not_its_weight_sta
     train_dir.mkdir(parents=True)
     (train_dir / "summary.json").write_text(json.dumps({"steps": 20, "wall_seconds": 1.0}))
     assert runner._finished(train, train.cells[0], 0)  # a trainer's summary is its run's end
+
+
+def test_diagnostics_average_each_run_then_each_cell_and_name_a_key_no_run_logged(
+    tmp_path, fake_runs, caplog
+):
+    config = _config(tmp_path / "sweep", diagnostics="eval_reward,kl_typo", jobs=2)
+    run_sweep(config, progress=False)
+    rows = list(csv.DictReader((tmp_path / "sweep" / "diagnostics.csv").open()))
+    assert [(r["lr"], r["key"]) for r in rows] == [
+        (lr, key) for lr in ("0.002", "0.004") for key in ("eval_reward", "kl_typo")
+    ]
+    for row in rows[0::2]:
+        per_run = [
+            sum(curve_value(s, float(row["lr"]), step) for step in range(1, 7)) / 6
+            for s in range(3)
+        ]
+        assert row["runs"] == "3"
+        assert float(row["mean"]) == pytest.approx(sum(per_run) / 3)
+        assert (float(row["min"]), float(row["max"])) == pytest.approx((min(per_run), max(per_run)))
+    assert [(r["runs"], r["mean"]) for r in rows[1::2]] == [("0", ""), ("0", "")]
+    text = (tmp_path / "sweep" / "diagnostics.md").read_text()
+    assert "| 0.004 | 3 |" in text and "No finished run logged ['kl_typo']" in text
+    assert "kl_typo" in caplog.text
+
+
+def test_diagnostics_must_be_metric_keys(tmp_path):
+    with pytest.raises(UserError, match="diagnostics names a key twice"):
+        _config(tmp_path / "sweep", diagnostics="kl_mean,kl_mean")
+    with pytest.raises(UserError, match="diagnostics must be a list"):
+        _config(tmp_path / "sweep", diagnostics=[3])
