@@ -298,3 +298,60 @@ def test_packed_targets_are_grouped_by_sequence_so_the_lm_head_scores_no_more_th
     assert m * sequences * window < len(rows) * 64  # what a per-row window of 64 would score
     placed = np.asarray(batch.target_row) < batch.unit_ids.shape[1]
     assert placed.sum() == sum(len(r.completion_ids) for r in rows)
+
+
+def _loss_and_gradient(rows, variant, logps_of):
+    """The loss of `rows` (off the policy: ratios away from 1) and d loss / d log-prob per call."""
+    width = max(len(r.completion_ids) for r in rows)
+    mask = np.array([[t < len(r.completion_ids) for t in range(width)] for r in rows])
+    _, ids = np.unique([r.unit for r in rows], return_inverse=True)
+    old = np.array([np.pad(logps_of(r), (0, width - len(r.completion_ids))) for r in rows])
+    new = jnp.asarray(old * 0.9)  # every token's ratio moves, some past the clip
+    advantages = jnp.asarray([r.advantage for r in rows])
+
+    def loss(logps):
+        cfg = LossConfig(variant)
+        return policy_loss(
+            cfg, logps, jnp.asarray(old), advantages, jnp.asarray(mask), None, jnp.asarray(ids)
+        )[0]
+
+    value, grad = jax.value_and_grad(loss)(new)
+    grad = np.asarray(grad)
+    per_call = {
+        (r.prompt_ids, r.completion_ids, r.advantage): tuple(grad[i, : len(r.completion_ids)])
+        for i, r in enumerate(rows)
+    }
+    return float(value), per_call
+
+
+def test_one_call_per_module_makes_module_and_trajectory_groups_one_token_level_objective():
+    """The study's finding as an invariant: when every trajectory calls each module once (as
+    capitals does), a module's group holds the same rollouts as the trajectory group, so the
+    advantages agree; a token-level loss (dapo) then gives the same step under either grouping,
+    and only a loss that weighs units (grpo's per-sequence mean: a call vs a trajectory) differs.
+    """
+    table = synthetic.LinkTable.make(4, seed=0)
+    program = synthetic.LinkFollower(table, max_links=1)  # start once, hop once
+    examples = synthetic.make_examples(table, 3, max_links=1, seed=1)
+    lm = synthetic.noisy_policy(program, accuracy=0.5, format_error_rate=0.0, seed=3)
+    trajectories = run_rollouts(program, examples, synthetic.metric, num_rollouts=4, lm=lm)
+    assert all(len(t.calls) == 2 for t in trajectories)
+    module = module_level_groups(trajectories)
+    trajectory = trajectory_level_groups(trajectories)
+    by_module = rows_from_groups(module, advantages_for_groups(module), unit="row")
+    by_trajectory = rows_from_groups(
+        trajectory, advantages_for_groups(trajectory), unit="trajectory"
+    )
+    assert len({r.advantage for r in by_module}) > 2  # the rewards differ within groups
+    key = lambda r: (r.prompt_ids, r.completion_ids, r.advantage)  # noqa: E731
+    assert sorted(map(key, by_module)) == sorted(map(key, by_trajectory))
+    rng = np.random.default_rng(0)
+    logps = {key(r): rng.uniform(-2, -0.1, len(r.completion_ids)) for r in by_module}
+    logps_of = lambda r: logps[key(r)]  # noqa: E731
+    dapo = [_loss_and_gradient(rows, "dapo", logps_of) for rows in (by_module, by_trajectory)]
+    np.testing.assert_allclose(dapo[0][0], dapo[1][0], atol=1e-7)  # float32 sum order
+    for call, grad in dapo[0][1].items():
+        np.testing.assert_allclose(grad, dapo[1][1][call], rtol=1e-5, atol=1e-9)
+    grpo = [_loss_and_gradient(rows, "grpo", logps_of) for rows in (by_module, by_trajectory)]
+    differs = [not np.allclose(g, grpo[1][1][c], rtol=1e-3) for c, g in grpo[0][1].items()]
+    assert any(differs), "grpo weighs a call under module groups, a trajectory under the other"
