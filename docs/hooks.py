@@ -11,9 +11,12 @@ from mkdocs.structure.files import File, Files
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "experiments" / "results"
-# a line `[results table: NAME](../experiments/results/NAME/table.md)`: a link on GitHub, the
-# table itself in the site; images under ../experiments/results/ are the site's results/ files
-TABLE = re.compile(r"^\[results table: (\S+)\]\(\.\./experiments/results/\1/table\.md\)$", re.M)
+# a line `[results table: NAME](../experiments/results/NAME/table.md)` (or `diagnostics` for
+# diagnostics.md): a link on GitHub, the table itself in the site; images under
+# ../experiments/results/ are the site's results/ files
+TABLE = re.compile(
+    r"^\[results (table|diagnostics): (\S+)\]\(\.\./experiments/results/\2/\1\.md\)$", re.M
+)
 RESULTS_LINK = "](../experiments/results/"
 
 
@@ -28,11 +31,12 @@ def on_files(files: Files, config) -> Files:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    """A results-table line becomes experiments/results/NAME/table.md (its title in bold, below
-    the page's headings); links into experiments/results/ point at the site's copies."""
+    """A results-table line becomes experiments/results/NAME/table.md (or diagnostics.md; its
+    title in bold, below the page's headings); links into experiments/results/ point at the
+    site's copies."""
 
     def table(match: re.Match) -> str:
-        path = RESULTS / match.group(1) / "table.md"
+        path = RESULTS / match.group(2) / f"{match.group(1)}.md"
         if not path.is_file():
             raise FileNotFoundError(f"{page.file.src_uri}: no results table {path}")
         return re.sub(r"^# (.*)$", r"**\1**", path.read_text(), flags=re.MULTILINE)

@@ -65,6 +65,7 @@ def test_the_site_builds_strict(tmp_path):
     assert "mmgrpo.loss.beta" in (site / "cli" / "index.html").read_text()  # generated page
     results = (site / "results" / "index.html").read_text()
     assert "<!-- results table" not in results and "eval_reward_after mean [95% CI]" in results
+    assert "Per run, the mean of each key" in results  # a sweep's diagnostics, inlined too
     assert (site / "results" / "demo_seeds" / "curves.png").is_file()
     assert "policy_loss" in (site / "api" / "rl" / "index.html").read_text()  # from docstrings
 
