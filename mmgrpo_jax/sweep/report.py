@@ -320,10 +320,8 @@ def diagnostics_tables(config: SweepConfig, results: Sequence[RunResult]) -> tup
                 text += f" [{_number(low)}, {_number(high)}]"
             cells.append(text)
         lines.append("| " + " | ".join(cells) + " |")
-    read = [r for r in results if not r.recorded]
-    missing = [
-        k for k in keys if read and not any(k == key for r in read for key, _ in r.diagnostics)
-    ]
+    read = any(not r.recorded for r in results)
+    missing = [k for k in keys if read and not any(v[k] for v in per_cell.values())]
     title = config.title or f"Sweep over {', '.join(axes) or 'the base config'}"
     text = (
         f"# Diagnostics: {title}\n\n{describe(config)}. Per run, the mean of each key over "
