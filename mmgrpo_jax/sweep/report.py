@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import statistics
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -111,7 +112,7 @@ class CellRow:
 
 def cell_rows(config: SweepConfig, results: Sequence[RunResult]) -> list[CellRow]:
     baseline = config.baseline_cell
-    by_cell: dict[Cell, dict[int, RunResult]] = {c: {} for c in config.cells}
+    by_cell: dict[Cell, dict[int, RunResult]] = {c: {} for c in config.report_cells}
     for result in results:
         by_cell[result.cell][result.seed] = result
     base_scores = {s: r.score for s, r in by_cell[baseline].items()}
@@ -191,7 +192,7 @@ def markdown(config: SweepConfig, rows: Sequence[CellRow]) -> str:
         f"{describe(config)}. Each run's score is `summary.json` `{config.score}`; intervals "
         "are `scipy.stats.bootstrap` over seeds (BCa for means and paired differences, "
         "percentile for the interquartile mean); differences are paired by seed against the "
-        f"baseline cell ({config.baseline_cell.name}); IQM and P(beats baseline) are rliable's "
+        f"baseline cell ({config.baseline_text}); IQM and P(beats baseline) are rliable's "
         "statistics (Agarwal et al. 2021). Written by `mmgrpo sweep`.\n"
     )
     notes = []
@@ -270,7 +271,7 @@ def runs_csv(config: SweepConfig, results: Sequence[RunResult]) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow([*axes, "seed", "score", "steps_to_threshold", "wall_seconds", "run_dir"])
-    for r in sorted(results, key=lambda r: (config.cells.index(r.cell), r.seed)):
+    for r in sorted(results, key=lambda r: (config.report_cells.index(r.cell), r.seed)):
         steps = None
         if config.threshold is not None:
             steps = r.steps_to(config.threshold)
@@ -294,7 +295,9 @@ def diagnostics_tables(config: SweepConfig, results: Sequence[RunResult]) -> tup
     no cell here; a key no run logged is named, not left out."""
     axes = [axis.name for axis in config.grid]
     keys = config.diagnostics
-    per_cell: dict[Cell, dict[str, list[float]]] = {c: {k: [] for k in keys} for c in config.cells}
+    per_cell: dict[Cell, dict[str, list[float]]] = {
+        c: {k: [] for k in keys} for c in config.report_cells
+    }
     for result in results:
         for key, value in result.diagnostics:
             per_cell[result.cell][key].append(value)
@@ -345,7 +348,7 @@ def recorded_runs(config: SweepConfig, results: Sequence[RunResult]) -> list[Run
     if not path.is_file():
         return []
     axes = [axis.name for axis in config.grid]
-    cells = {tuple(dict(c.labels)[a] for a in axes): c for c in config.cells}
+    cells = {tuple(dict(c.labels)[a] for a in axes): c for c in config.report_cells}
     found = {(r.cell, r.seed) for r in results}
     recorded = []
     with path.open(newline="") as f:
@@ -373,6 +376,11 @@ def recorded_runs(config: SweepConfig, results: Sequence[RunResult]) -> list[Run
     return recorded
 
 
+def _wrapped(title: str) -> str:
+    """A plot title on lines that fit a 5-inch panel (a sweep's title is often a sentence)."""
+    return textwrap.fill(title, 60)
+
+
 def plot_curves(config: SweepConfig, results: Sequence[RunResult], path: Path) -> None:
     """Per cell the mean curve over its seeds and its bootstrap band, at the steps every seed
     logged; one panel per value of the first axis when there are several axes."""
@@ -386,8 +394,9 @@ def plot_curves(config: SweepConfig, results: Sequence[RunResult], path: Path) -
         panels = [v.label for v in config.grid[0].values]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):
-        for cell in config.cells:
-            if panel is not None and cell.labels[0][1] != panel:
+        for cell in config.report_cells:
+            # another sweep's baseline (not a value of the first axis) is drawn in every panel
+            if panel is not None and cell.labels[0][1] != panel and cell in config.cells:
                 continue
             runs = [r for r in results if r.cell == cell and r.curve]
             if not runs:
@@ -404,7 +413,7 @@ def plot_curves(config: SweepConfig, results: Sequence[RunResult], path: Path) -
         if config.threshold is not None:
             ax.axhline(config.threshold, color="grey", lw=0.8, ls="--")
         title = f"{config.grid[0].name}={panel}" if panel is not None else config.title
-        ax.set_title(title, fontsize="medium")
+        ax.set_title(_wrapped(title), fontsize="medium")
         ax.set(xlabel="step", ylabel=config.curve)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="lower right", fontsize="small")
@@ -426,7 +435,7 @@ def plot_profiles(config: SweepConfig, results: Sequence[RunResult], path: Path)
     pad = 0.05 * (high - low or 1.0)
     taus = np.linspace(low - pad, high + pad, 101)
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for cell in config.cells:
+    for cell in config.report_cells:
         values = [r.score for r in results if r.cell == cell]
         if not values:
             continue
@@ -442,7 +451,7 @@ def plot_profiles(config: SweepConfig, results: Sequence[RunResult], path: Path)
                 color=line[0].get_color(),
             )
     ax.set(xlabel=f"{config.score} threshold", ylabel="fraction of runs above it")
-    ax.set_title(config.title or "performance profiles", fontsize="medium")
+    ax.set_title(_wrapped(config.title or "performance profiles"), fontsize="medium")
     ax.legend(loc="lower left", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -113,6 +113,7 @@ def run_sweep(
             else:
                 todo.append((cell, seed))
         skipped = len(results)
+        _collect_reference(config, results, failures)
         recorded = recorded_runs(config, results)
         if recorded:
             logger.warning(
@@ -156,6 +157,31 @@ def _collect(
         return False
 
 
+def _collect_reference(
+    config: SweepConfig, results: list[RunResult], failures: list[Failure]
+) -> None:
+    """`baseline_from`'s finished runs on this sweep's seeds, read from the sweep that owns
+    them (which checks they are its cell's setting); the missing ones are named, not run."""
+    if config.baseline_from is None:
+        return
+    other, other_cell = config.baseline_from.source()
+    missing = []
+    for seed in config.seeds:
+        if seed in other.seeds and _finished(other, other_cell, seed):
+            _collect(config, config.reference_cell, seed, results, failures)
+        else:
+            missing.append(seed)
+    if missing:
+        logger.warning(
+            "baseline_from: %s of %s has not finished seeds %s: `mmgrpo sweep --sweep %s` runs "
+            "them; until then those seeds have no paired difference",
+            other_cell.name,
+            config.baseline_from.sweep,
+            missing,
+            config.baseline_from.sweep,
+        )
+
+
 def _describe(config: SweepConfig) -> dict:
     return {
         "command": config.command,
@@ -166,7 +192,7 @@ def _describe(config: SweepConfig) -> dict:
         "score": config.score,
         "curve": config.curve,
         "threshold": config.threshold,
-        "baseline": config.baseline_cell.name,
+        "baseline": config.baseline_text,
     }
 
 
@@ -224,6 +250,8 @@ def _run_all(
     failures: list[Failure] = []
     running: list[_Child] = []
     shown: dict[str, int] = {}
+    # the plan's order (seed by seed), with another sweep's baseline runs first in each seed
+    seeds, cells = list(config.seeds), config.report_cells
     bar = tqdm(
         total=len(plan),
         initial=len(plan) - len(todo),
@@ -242,7 +270,7 @@ def _run_all(
                 code = child.process.returncode
                 if code == 0:
                     if _collect(config, child.cell, child.seed, results, failures):
-                        results.sort(key=lambda r: plan.index((r.cell, r.seed)))
+                        results.sort(key=lambda r: (seeds.index(r.seed), cells.index(r.cell)))
                         write_report(config, results)
                     bar.update()
                     continue

@@ -14,6 +14,15 @@ settings that go together (a loss and its own clip range)::
     seeds: 0-9
     baseline: {grouping: module, loss: grpo}
 
+The baseline may be another sweep's cell instead (`baseline_from`), when one setting's runs
+serve two sweeps: it joins the table as a row of its own, its runs read from that sweep's
+folder, never run by this one::
+
+    baseline_from:
+      sweep: experiments/sweeps/capitals_study.yaml
+      cell: {loss: grpo, grouping: module}
+      label: shared   # its value on this sweep's first axis
+
 On the command line the same grid is ``--grid "grouping=module,trajectory loss=grpo,dapo"``.
 """
 
@@ -89,6 +98,35 @@ class Cell:
 
 
 @dataclasses.dataclass(frozen=True)
+class BaselineFrom:
+    """Another sweep's cell as this sweep's baseline, paired by seed: one setting's runs
+    shared by two sweeps (the study's module-level GRPO cell is its adapter half's one-adapter
+    side), run once, by the sweep that owns them."""
+
+    sweep: str  # that sweep's file
+    cell: tuple[tuple[str, str], ...]  # its labels there, as `baseline` names a cell
+    label: str  # the row's value on this sweep's first axis
+
+    def source(self) -> tuple[SweepConfig, Cell]:
+        """That sweep and its cell; an error naming the file when either is not there."""
+        if not Path(self.sweep).is_file():
+            raise UserError(f"sweep baseline_from.sweep={self.sweep!r} is not a file")
+        other = load_sweep(self.sweep)
+        if other.baseline_from is not None:
+            raise UserError(
+                f"sweep baseline_from.sweep={self.sweep!r} takes its own baseline from "
+                f"{other.baseline_from.sweep!r}: name the sweep that runs the cell"
+            )
+        for cell in other.cells:
+            if dict(cell.labels) == dict(self.cell):
+                return other, cell
+        raise UserError(
+            f"sweep baseline_from.cell {dict(self.cell)} names no cell of {self.sweep!r}; its "
+            f"cells: {[c.name for c in other.cells]}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class SweepConfig:
     command: str = "train"  # the mmgrpo subcommand every run is: demo | train | better-together
     config: str | None = None  # that command's YAML config: every run's base
@@ -101,6 +139,7 @@ class SweepConfig:
     # gain little from threads, so jobs=cores with this is the fastest sweep of them on a CPU.
     single_thread: bool = False
     baseline: tuple[tuple[str, str], ...] = ()  # the cell others are compared to; default: first
+    baseline_from: BaselineFrom | None = None  # or another sweep's cell (module doc)
     score: str = "eval_reward_after"  # summary.json's key for a run's final score
     curve: str = "eval_reward"  # metrics.jsonl's key for learning curves and steps-to-threshold
     threshold: float | None = None
@@ -160,6 +199,32 @@ class SweepConfig:
                     f"sweep baseline {dict(self.baseline)} names no cell of the grid; cells: "
                     f"{[c.name for c in self.cells]}"
                 )
+        if self.baseline_from is not None:
+            self._check_baseline_from(self.baseline_from)
+
+    def _check_baseline_from(self, source: BaselineFrom) -> None:
+        if self.baseline:
+            raise UserError(
+                f"sweep names both baseline {dict(self.baseline)} and baseline_from "
+                f"{source.sweep!r}: keep one"
+            )
+        if not self.grid:
+            raise UserError(
+                "sweep baseline_from needs a grid: its row is a value of the first axis"
+            )
+        first = self.grid[0]
+        if not source.label or source.label in [v.label for v in first.values]:
+            raise UserError(
+                f"sweep baseline_from.label={source.label!r} must be a new value of the first "
+                f"axis {first.name!r} (its values: {[v.label for v in first.values]})"
+            )
+        other, _ = source.source()
+        if other.score != self.score:
+            raise UserError(
+                f"sweep baseline_from.sweep={source.sweep!r} scores its runs by "
+                f"{other.score!r} and this sweep by {self.score!r}: the difference would compare "
+                "two numbers; give both the same score"
+            )
 
     @property
     def cells(self) -> list[Cell]:
@@ -174,11 +239,40 @@ class SweepConfig:
 
     @property
     def baseline_cell(self) -> Cell:
+        if self.baseline_from is not None:
+            return self.reference_cell
         if not self.baseline:
             return self.cells[0]
         return next(c for c in self.cells if dict(c.labels) == dict(self.baseline))
 
+    @property
+    def reference_cell(self) -> Cell:
+        """`baseline_from`'s row in this sweep's table: its label on the first axis, blank on
+        the others; its overrides are the other sweep's business."""
+        if self.baseline_from is None:
+            raise ValueError("this sweep takes no cell from another sweep")
+        first, *rest = self.grid
+        return Cell(((first.name, self.baseline_from.label), *((a.name, "") for a in rest)), ())
+
+    @property
+    def report_cells(self) -> list[Cell]:
+        """The table's rows: `baseline_from`'s cell first, then the grid's."""
+        extra = [] if self.baseline_from is None else [self.reference_cell]
+        return [*extra, *self.cells]
+
+    @property
+    def baseline_text(self) -> str:
+        """The baseline as the report names it, with where another sweep's cell comes from."""
+        if self.baseline_from is None:
+            return self.baseline_cell.name
+        source = self.baseline_from
+        cell = " ".join(f"{k}={v}" for k, v in source.cell)
+        return f"{self.reference_cell.name}: {cell} of {source.sweep}"
+
     def run_dir(self, cell: Cell, seed: int) -> Path:
+        if self.baseline_from is not None and cell == self.reference_cell:
+            other, other_cell = self.baseline_from.source()
+            return other.run_dir(other_cell, seed)
         return Path(self.out) / "runs" / cell.folder / f"seed{seed}"
 
     def run_overrides(self, cell: Cell, seed: int) -> list[str]:
@@ -295,6 +389,21 @@ def parse_labels(spec: str | Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     return tuple((str(k), _scalar_text(v)) for k, v in spec.items())
 
 
+def parse_baseline_from(spec: Any, where: str) -> BaselineFrom:
+    """``{sweep: FILE, cell: {axis: value}, label: NAME}``, every key required."""
+    keys = {"sweep", "cell", "label"}
+    if not isinstance(spec, Mapping) or set(spec) != keys:
+        raise UserError(
+            f"{where}: baseline_from must be a mapping with exactly the keys {sorted(keys)}, "
+            f"got {spec!r}"
+        )
+    if not isinstance(spec["sweep"], str) or not isinstance(spec["label"], str | int | float):
+        raise UserError(
+            f"{where}: baseline_from.sweep must be a file name and .label a value, got {spec!r}"
+        )
+    return BaselineFrom(spec["sweep"], parse_labels(spec["cell"]), _scalar_text(spec["label"]))
+
+
 _FIELDS = {f.name for f in dataclasses.fields(SweepConfig)}
 
 
@@ -310,6 +419,8 @@ def sweep_config(values: Mapping[str, Any], where: str = "sweep") -> SweepConfig
         kwargs["seeds"] = parse_seeds(kwargs["seeds"])
     if "baseline" in kwargs:
         kwargs["baseline"] = parse_labels(kwargs["baseline"] or {})
+    if kwargs.get("baseline_from") is not None:
+        kwargs["baseline_from"] = parse_baseline_from(kwargs["baseline_from"], where)
     if "overrides" in kwargs:
         overrides = kwargs["overrides"] or []
         if isinstance(overrides, str) or not isinstance(overrides, list):

@@ -365,3 +365,79 @@ def test_diagnostics_must_be_metric_keys(tmp_path):
         _config(tmp_path / "sweep", diagnostics="kl_mean,kl_mean")
     with pytest.raises(UserError, match="diagnostics must be a list"):
         _config(tmp_path / "sweep", diagnostics=[3])
+
+
+def _sweep_file(path: Path, **values) -> Path:
+    defaults = {"command": "demo", "overrides": ["num_steps=6"], "seeds": "0-2"}
+    path.write_text(json.dumps({**defaults, **values}))  # JSON is YAML
+    return path
+
+
+def test_a_baseline_from_another_sweep_is_a_row_paired_by_seed_and_never_run_here(
+    tmp_path, fake_runs, caplog
+):
+    owner = _sweep_file(
+        tmp_path / "owner.yaml", out=str(tmp_path / "owner"), grid={"lr": [0.002, 0.004]}
+    )
+    run_sweep(load_sweep(owner, seeds="0-1"), progress=False)  # its seed 2 not run yet
+    reference = {"sweep": str(owner), "cell": {"lr": 0.002}, "label": "shared"}
+    config = load_sweep(
+        _sweep_file(
+            tmp_path / "other.yaml",
+            out=str(tmp_path / "other"),
+            grid={"lr": [0.001]},
+            baseline_from=reference,
+            diagnostics=["eval_reward"],
+        )
+    )
+    report = run_sweep(config, progress=False)
+    assert "has not finished seeds [2]" in caplog.text
+    assert not (tmp_path / "owner" / "runs" / "lr-0.002" / "seed2").exists()  # not run here
+    assert not (tmp_path / "other" / "runs" / "lr-shared").exists()
+    assert sorted((dict(r.cell.labels)["lr"], r.seed) for r in report.results) == [
+        ("0.001", 0), ("0.001", 1), ("0.001", 2), ("shared", 0), ("shared", 1)
+    ]  # fmt: skip
+    table = list(csv.DictReader((tmp_path / "other" / "table.csv").open()))
+    assert [(r["lr"], r["runs"]) for r in table] == [("shared", "2"), ("0.001", "3")]
+    paired = [curve_value(s, 0.001, 6) - curve_value(s, 0.002, 6) for s in (0, 1)]
+    assert float(table[1]["diff_mean"]) == pytest.approx(sum(paired) / 2)
+    assert table[1]["diff_seeds"] == "2"
+    markdown = (tmp_path / "other" / "table.md").read_text()
+    assert "| shared | 2/3 |" in markdown and "| baseline |" in markdown
+    assert f"baseline cell (lr=shared: lr=0.002 of {owner})" in markdown
+    runs = list(csv.DictReader((tmp_path / "other" / "runs.csv").open()))
+    assert runs[0]["run_dir"] == str(tmp_path / "owner" / "runs" / "lr-0.002" / "seed0")
+    assert "| shared | 2 |" in (tmp_path / "other" / "diagnostics.md").read_text()
+    # the owner finishes its seed 2: the next report pairs all three, still running nothing
+    run_sweep(load_sweep(owner), progress=False)
+    run_sweep(config, progress=False, report_only=True)
+    table = list(csv.DictReader((tmp_path / "other" / "table.csv").open()))
+    assert (table[0]["runs"], table[1]["diff_seeds"]) == ("3", "3")
+
+
+def test_baseline_from_is_refused_when_it_cannot_be_a_fair_baseline(tmp_path):
+    owner = _sweep_file(tmp_path / "owner.yaml", out=str(tmp_path / "o"), grid={"lr": [0.002]})
+    good = {"sweep": str(owner), "cell": {"lr": 0.002}, "label": "shared"}
+
+    def config(**values):
+        return load_sweep(None, out=str(tmp_path / "s"), grid="lr=0.001", **values)
+
+    assert config(baseline_from=good).baseline_cell.name == "lr=shared"
+    cases = [
+        ({**good, "sweep": "nowhere.yaml"}, r"baseline_from.sweep='nowhere.yaml' is not a file"),
+        ({**good, "cell": {"lr": 0.5}}, r"baseline_from.cell \{'lr': '0.5'\} names no cell"),
+        ({**good, "label": "0.001"}, r"label='0.001' must be a new value of the first axis"),
+        ({"sweep": str(owner), "cell": {"lr": 0.002}}, "exactly the keys"),
+    ]
+    for spec, message in cases:
+        with pytest.raises(UserError, match=message):
+            config(baseline_from=spec)
+    with pytest.raises(UserError, match="names both baseline"):
+        config(baseline_from=good, baseline="lr=0.001")
+    with pytest.raises(UserError, match="scores its runs by 'eval_reward_after'"):
+        config(baseline_from=good, score="test_after")
+    chained = _sweep_file(
+        tmp_path / "chained.yaml", out=str(tmp_path / "c"), grid={"lr": [0.003]}, baseline_from=good
+    )
+    with pytest.raises(UserError, match="takes its own baseline from"):
+        config(baseline_from={**good, "sweep": str(chained), "cell": {"lr": 0.003}})
