@@ -406,7 +406,7 @@ def plot_curves(config: SweepConfig, results: Sequence[RunResult], path: Path) -
                 continue
             values = np.array([[dict(r.curve)[s] for s in common] for r in runs])
             bands = [bootstrap_mean(column, confidence=config.confidence) for column in values.T]
-            label = " ".join(lab for _, lab in (cell.labels[1:] if panel else cell.labels))
+            label = " ".join(lab for _, lab in (cell.labels[1:] if panel else cell.labels) if lab)
             ax.plot(common, [b.mean for b in bands], label=f"{label or cell.name} (n={len(runs)})")
             if len(runs) >= MIN_SEEDS:  # fewer: no interval, no band
                 ax.fill_between(common, [b.low for b in bands], [b.high for b in bands], alpha=0.15)

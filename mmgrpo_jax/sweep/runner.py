@@ -115,6 +115,10 @@ def run_sweep(
         skipped = len(results)
         _collect_reference(config, results, failures)
         recorded = recorded_runs(config, results)
+        # another sweep's baseline runs are never run here: their record is all there is
+        results += [r for r in recorded if r.cell not in config.cells]
+        recorded = [r for r in recorded if r.cell in config.cells]
+        results.sort(key=lambda r: _order(config, r))
         if recorded:
             logger.warning(
                 "%s/runs.csv %s %d finished run(s) whose folders are not here (the first: %s): %s",
@@ -161,25 +165,44 @@ def _collect_reference(
     config: SweepConfig, results: list[RunResult], failures: list[Failure]
 ) -> None:
     """`baseline_from`'s finished runs on this sweep's seeds, read from the sweep that owns
-    them (which checks they are its cell's setting); the missing ones are named, not run."""
+    them (which checks they are its cell's setting); the missing ones are named, not run, and
+    a problem with one is reported as that sweep's to mend."""
     if config.baseline_from is None:
         return
-    other, other_cell = config.baseline_from.source()
+    source = config.baseline_from
+    other, other_cell = source.source()
+    owner = f"baseline_from {source.sweep} {other_cell.name}"
+    redo = f"(the run is that sweep's: `mmgrpo sweep --sweep {source.sweep}` redoes it)"
     missing = []
     for seed in config.seeds:
-        if seed in other.seeds and _finished(other, other_cell, seed):
-            _collect(config, config.reference_cell, seed, results, failures)
-        else:
+        try:
+            finished = _finished(other, other_cell, seed)
+        except UserError as err:  # a run folder of another setting
+            raise UserError(f"{owner}: {err}") from None
+        if not finished:
             missing.append(seed)
+            continue
+        try:
+            results.append(read_run(config, config.reference_cell, seed))
+        except UnreadableRun as err:
+            summary = other.run_dir(other_cell, seed) / "summary.json"
+            failure = Failure(config.reference_cell, seed, None, summary, f"{owner}: {err} {redo}")
+            failures.append(failure)
+            logger.warning("run %s", failure.describe())
     if missing:
         logger.warning(
-            "baseline_from: %s of %s has not finished seeds %s: `mmgrpo sweep --sweep %s` runs "
-            "them; until then those seeds have no paired difference",
-            other_cell.name,
-            config.baseline_from.sweep,
+            "%s has not finished seeds %s: the sweep that owns the cell runs them (`mmgrpo "
+            "sweep --sweep %s`, with --seeds if its file does not list them); until then those "
+            "seeds have no paired difference",
+            owner,
             missing,
-            config.baseline_from.sweep,
+            source.sweep,
         )
+
+
+def _order(config: SweepConfig, result: RunResult) -> tuple[int, int]:
+    """The plan's order, seed by seed, another sweep's baseline first in each seed."""
+    return config.seeds.index(result.seed), config.report_cells.index(result.cell)
 
 
 def _describe(config: SweepConfig) -> dict:
@@ -250,8 +273,6 @@ def _run_all(
     failures: list[Failure] = []
     running: list[_Child] = []
     shown: dict[str, int] = {}
-    # the plan's order (seed by seed), with another sweep's baseline runs first in each seed
-    seeds, cells = list(config.seeds), config.report_cells
     bar = tqdm(
         total=len(plan),
         initial=len(plan) - len(todo),
@@ -270,7 +291,7 @@ def _run_all(
                 code = child.process.returncode
                 if code == 0:
                     if _collect(config, child.cell, child.seed, results, failures):
-                        results.sort(key=lambda r: (seeds.index(r.seed), cells.index(r.cell)))
+                        results.sort(key=lambda r: _order(config, r))
                         write_report(config, results)
                     bar.update()
                     continue
@@ -282,8 +303,9 @@ def _run_all(
                 bar.set_postfix(status)
                 shown = status
     except KeyboardInterrupt as err:
+        done = sum(r.cell in config.cells for r in results)  # not another sweep's baseline
         err.add_note(
-            f"{len(results)}/{len(plan)} runs finished; running ones were stopped at their last "
+            f"{done}/{len(plan)} runs finished; running ones were stopped at their last "
             f"checkpoint; the same sweep again continues them ({config.out})"
         )
         raise

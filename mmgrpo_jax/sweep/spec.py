@@ -88,7 +88,8 @@ class Cell:
 
     @property
     def name(self) -> str:
-        return " ".join(f"{axis}={label}" for axis, label in self.labels) or "base"
+        # blank labels: another sweep's baseline row says nothing on this sweep's other axes
+        return " ".join(f"{axis}={label}" for axis, label in self.labels if label) or "base"
 
     @property
     def folder(self) -> str:
@@ -111,12 +112,15 @@ class BaselineFrom:
         """That sweep and its cell; an error naming the file when either is not there."""
         if not Path(self.sweep).is_file():
             raise UserError(f"sweep baseline_from.sweep={self.sweep!r} is not a file")
-        other = load_sweep(self.sweep)
-        if other.baseline_from is not None:
+        raw = read_yaml(self.sweep)
+        # read before the file is built: a file naming itself, or two naming each other, would
+        # otherwise build each other forever
+        if isinstance(raw, Mapping) and raw.get("baseline_from") is not None:
             raise UserError(
                 f"sweep baseline_from.sweep={self.sweep!r} takes its own baseline from "
-                f"{other.baseline_from.sweep!r}: name the sweep that runs the cell"
+                f"{raw['baseline_from']!r}: name the sweep that runs the cell"
             )
+        other = load_sweep(self.sweep)
         for cell in other.cells:
             if dict(cell.labels) == dict(self.cell):
                 return other, cell
@@ -219,6 +223,11 @@ class SweepConfig:
                 f"axis {first.name!r} (its values: {[v.label for v in first.values]})"
             )
         other, _ = source.source()
+        if other.command != self.command:
+            raise UserError(
+                f"sweep baseline_from.sweep={source.sweep!r} runs `mmgrpo {other.command}` and "
+                f"this sweep `mmgrpo {self.command}`: their scores are not the same measurement"
+            )
         if other.score != self.score:
             raise UserError(
                 f"sweep baseline_from.sweep={source.sweep!r} scores its runs by "
@@ -377,15 +386,17 @@ def parse_grid(spec: str | Mapping[str, Any]) -> tuple[Axis, ...]:
     return tuple(axes)
 
 
-def parse_labels(spec: str | Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+def parse_labels(
+    spec: str | Mapping[str, Any], field: str = "baseline"
+) -> tuple[tuple[str, str], ...]:
     """A baseline cell: ``"grouping=module loss=grpo"`` or a mapping."""
     if isinstance(spec, str):
         pairs = [part.partition("=") for part in spec.split()]
         if any(not sep for _, sep, _ in pairs):
-            raise UserError(f"baseline {spec!r} must look like axis=value axis=value")
+            raise UserError(f"{field} {spec!r} must look like axis=value axis=value")
         return tuple((k, v) for k, _, v in pairs)
     if not isinstance(spec, Mapping):
-        raise UserError(f"baseline must be a mapping of axis -> value, got {spec!r}")
+        raise UserError(f"{field} must be a mapping of axis -> value, got {spec!r}")
     return tuple((str(k), _scalar_text(v)) for k, v in spec.items())
 
 
@@ -401,7 +412,8 @@ def parse_baseline_from(spec: Any, where: str) -> BaselineFrom:
         raise UserError(
             f"{where}: baseline_from.sweep must be a file name and .label a value, got {spec!r}"
         )
-    return BaselineFrom(spec["sweep"], parse_labels(spec["cell"]), _scalar_text(spec["label"]))
+    cell = parse_labels(spec["cell"], "baseline_from.cell")
+    return BaselineFrom(spec["sweep"], cell, _scalar_text(spec["label"]))
 
 
 _FIELDS = {f.name for f in dataclasses.fields(SweepConfig)}
@@ -465,6 +477,8 @@ def load_sweep(path: str | Path | None, **cli: Any) -> SweepConfig:
             raise UserError(f"sweep file {str(path)!r} must be a mapping, got {values!r}")
         values = dict(values)
     given = {k: v for k, v in cli.items() if v is not None}
+    if "baseline" in given:  # the command line's baseline replaces the file's, either kind
+        values.pop("baseline_from", None)
     if "overrides" in given:  # the command line's overrides go after the file's (later wins)
         given["overrides"] = [*(values.get("overrides") or []), *given["overrides"]]
     values.update(given)

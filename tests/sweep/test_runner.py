@@ -377,9 +377,12 @@ def test_a_baseline_from_another_sweep_is_a_row_paired_by_seed_and_never_run_her
     tmp_path, fake_runs, caplog
 ):
     owner = _sweep_file(
-        tmp_path / "owner.yaml", out=str(tmp_path / "owner"), grid={"lr": [0.002, 0.004]}
+        tmp_path / "owner.yaml",
+        out=str(tmp_path / "owner"),
+        grid={"lr": [0.002, 0.004]},
+        seeds="0-1",  # its seed 2 only when asked for on the command line
     )
-    run_sweep(load_sweep(owner, seeds="0-1"), progress=False)  # its seed 2 not run yet
+    run_sweep(load_sweep(owner), progress=False)
     reference = {"sweep": str(owner), "cell": {"lr": 0.002}, "label": "shared"}
     config = load_sweep(
         _sweep_file(
@@ -391,11 +394,11 @@ def test_a_baseline_from_another_sweep_is_a_row_paired_by_seed_and_never_run_her
         )
     )
     report = run_sweep(config, progress=False)
-    assert "has not finished seeds [2]" in caplog.text
+    assert "lr=0.002 has not finished seeds [2]" in caplog.text
     assert not (tmp_path / "owner" / "runs" / "lr-0.002" / "seed2").exists()  # not run here
     assert not (tmp_path / "other" / "runs" / "lr-shared").exists()
-    assert sorted((dict(r.cell.labels)["lr"], r.seed) for r in report.results) == [
-        ("0.001", 0), ("0.001", 1), ("0.001", 2), ("shared", 0), ("shared", 1)
+    assert [(dict(r.cell.labels)["lr"], r.seed) for r in report.results] == [
+        ("shared", 0), ("0.001", 0), ("shared", 1), ("0.001", 1), ("0.001", 2)
     ]  # fmt: skip
     table = list(csv.DictReader((tmp_path / "other" / "table.csv").open()))
     assert [(r["lr"], r["runs"]) for r in table] == [("shared", "2"), ("0.001", "3")]
@@ -408,11 +411,49 @@ def test_a_baseline_from_another_sweep_is_a_row_paired_by_seed_and_never_run_her
     runs = list(csv.DictReader((tmp_path / "other" / "runs.csv").open()))
     assert runs[0]["run_dir"] == str(tmp_path / "owner" / "runs" / "lr-0.002" / "seed0")
     assert "| shared | 2 |" in (tmp_path / "other" / "diagnostics.md").read_text()
-    # the owner finishes its seed 2: the next report pairs all three, still running nothing
-    run_sweep(load_sweep(owner), progress=False)
+    # the owner runs seed 2 (beyond its file's seeds): the next report pairs all three
+    run_sweep(load_sweep(owner, seeds="0-2"), progress=False)
     run_sweep(config, progress=False, report_only=True)
     table = list(csv.DictReader((tmp_path / "other" / "table.csv").open()))
     assert (table[0]["runs"], table[1]["diff_seeds"]) == ("3", "3")
+    # the owner's folders gone (a fresh clone of the tables only): the baseline row stays, from
+    # this sweep's record, and is not counted among the runs to do again
+    first = _without_wall_time((tmp_path / "other" / "table.csv").read_text())
+    shutil.rmtree(tmp_path / "owner" / "runs")
+    caplog.clear()
+    report = run_sweep(config, progress=False)
+    assert "has not finished seeds [0, 1, 2]" in caplog.text
+    assert "runs.csv" not in caplog.text  # nothing of this sweep's own is missing
+    assert _without_wall_time((tmp_path / "other" / "table.csv").read_text()) == first
+    assert sum(r.recorded for r in report.results) == 3
+
+
+def test_a_broken_baseline_run_is_named_as_the_other_sweeps_to_mend(tmp_path, fake_runs):
+    owner = _sweep_file(tmp_path / "owner.yaml", out=str(tmp_path / "o"), grid={"lr": [0.002]})
+    run_sweep(load_sweep(owner, seeds="0"), progress=False)
+    config = load_sweep(
+        None,
+        command="demo",
+        out=str(tmp_path / "s"),
+        grid="lr=0.001",
+        seeds="0",
+        baseline_from={"sweep": str(owner), "cell": {"lr": 0.002}, "label": "shared"},
+    )
+    summary = tmp_path / "o" / "runs" / "lr-0.002" / "seed0" / "summary.json"
+    summary.write_text("{not json")
+    report = run_sweep(config, progress=False)
+    (failure,) = report.failures
+    assert failure.log == summary and f"is that sweep's: `mmgrpo sweep --sweep {owner}`" in (
+        failure.last_line
+    )
+    assert failure.last_line.startswith(f"baseline_from {owner} lr=0.002: {summary} cannot be read")
+    assert [dict(r.cell.labels)["lr"] for r in report.results] == ["0.001"]
+    shutil.rmtree(summary.parent)  # a run of another setting in the owner's folder
+    other = load_sweep(owner, seeds="0", overrides=["num_steps=7"])
+    (other.run_dir(other.cells[0], 0)).mkdir(parents=True)
+    runner._launch(other, other.cells[0], 0).process.wait()  # writes its identity
+    with pytest.raises(UserError, match=f"baseline_from {owner} lr=0.002: .* another setting"):
+        run_sweep(config, progress=False, report_only=True)
 
 
 def test_baseline_from_is_refused_when_it_cannot_be_a_fair_baseline(tmp_path):
@@ -420,12 +461,14 @@ def test_baseline_from_is_refused_when_it_cannot_be_a_fair_baseline(tmp_path):
     good = {"sweep": str(owner), "cell": {"lr": 0.002}, "label": "shared"}
 
     def config(**values):
+        values = {"command": "demo", **values}
         return load_sweep(None, out=str(tmp_path / "s"), grid="lr=0.001", **values)
 
     assert config(baseline_from=good).baseline_cell.name == "lr=shared"
     cases = [
         ({**good, "sweep": "nowhere.yaml"}, r"baseline_from.sweep='nowhere.yaml' is not a file"),
         ({**good, "cell": {"lr": 0.5}}, r"baseline_from.cell \{'lr': '0.5'\} names no cell"),
+        ({**good, "cell": "lr"}, r"baseline_from.cell 'lr' must look like axis=value"),
         ({**good, "label": "0.001"}, r"label='0.001' must be a new value of the first axis"),
         ({"sweep": str(owner), "cell": {"lr": 0.002}}, "exactly the keys"),
     ]
@@ -436,8 +479,22 @@ def test_baseline_from_is_refused_when_it_cannot_be_a_fair_baseline(tmp_path):
         config(baseline_from=good, baseline="lr=0.001")
     with pytest.raises(UserError, match="scores its runs by 'eval_reward_after'"):
         config(baseline_from=good, score="test_after")
+    with pytest.raises(UserError, match="runs `mmgrpo demo` and this sweep `mmgrpo train`"):
+        config(baseline_from=good, command="train")
     chained = _sweep_file(
         tmp_path / "chained.yaml", out=str(tmp_path / "c"), grid={"lr": [0.003]}, baseline_from=good
     )
     with pytest.raises(UserError, match="takes its own baseline from"):
         config(baseline_from={**good, "sweep": str(chained), "cell": {"lr": 0.003}})
+    itself = tmp_path / "itself.yaml"  # a file naming itself: refused, not built forever
+    _sweep_file(itself, out=str(tmp_path / "i"), grid={"lr": [0.003]}, baseline_from=good)
+    _sweep_file(
+        itself,
+        out=str(tmp_path / "i"),
+        grid={"lr": [0.003]},
+        baseline_from={**good, "sweep": str(itself)},
+    )
+    with pytest.raises(UserError, match="takes its own baseline from"):
+        load_sweep(itself)
+    # the command line's baseline replaces the file's baseline_from
+    assert load_sweep(chained, baseline="lr=0.003").baseline_from is None
