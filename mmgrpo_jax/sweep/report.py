@@ -178,8 +178,8 @@ def markdown(config: SweepConfig, rows: Sequence[CellRow]) -> str:
     for row in rows:
         labels = dict(row.cell.labels)
         diff = "baseline" if row.cell == config.baseline_cell else _interval_text(row.difference)
-        if row.difference is not None:
-            diff += f" (n={row.difference.n})"
+        if row.difference is not None and not math.isnan(row.difference.low):
+            diff += f" (n={row.difference.n})"  # an interval's str names n only when it has none
         cells = [*(labels[a] for a in axes), f"{row.runs}/{len(config.seeds)}"]
         cells += [_interval_text(row.score), diff, _interval_text(row.iqm)]
         cells.append("" if row.improvement is None else f"{row.improvement:.2f}")

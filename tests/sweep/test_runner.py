@@ -104,6 +104,7 @@ def test_report_only_starts_nothing_and_tables_the_finished_runs(tmp_path, fake_
     assert not wider.run_dir(wider.cells[0], 2).exists()  # seed 2 not started
     markdown = (tmp_path / "sweep" / "table.md").read_text()
     assert "| 0.002 | 2/3 |" in markdown and "| 0.004 | 2/3 |" in markdown
+    assert "(n=2, no interval) |" in markdown and "no interval) (n=" not in markdown  # n once
 
 
 def test_a_run_folder_of_another_setting_is_refused(tmp_path, fake_runs):
