@@ -31,7 +31,7 @@ test: $(STAMP) model
 	$(BIN)/python -m pytest -q -n 2
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -n 2 -m slow
 
 # the documentation site into site/ (make test builds it too, in tests/test_docs.py)
 docs: $(STAMP)
