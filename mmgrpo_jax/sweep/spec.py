@@ -29,6 +29,7 @@ On the command line the same grid is ``--grid "grouping=module,trajectory loss=g
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -110,6 +111,12 @@ class BaselineFrom:
 
     def source(self) -> tuple[SweepConfig, Cell]:
         """That sweep and its cell; an error naming the file when either is not there."""
+        return self._source
+
+    @functools.cached_property
+    def _source(self) -> tuple[SweepConfig, Cell]:
+        # read once per BaselineFrom: every run folder of the row comes from the same reading,
+        # even if the file is edited while the sweep runs
         if not Path(self.sweep).is_file():
             raise UserError(f"sweep baseline_from.sweep={self.sweep!r} is not a file")
         raw = read_yaml(self.sweep)
