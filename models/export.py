@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from pathlib import Path
 
 import jax
@@ -17,6 +18,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from models.config import CheckpointError
 from models.decoder import Decoder
 from models.hf import hf_key, layer_paths
 from models.lora import Linear, LoRAConfig
@@ -25,6 +27,8 @@ from models.sharding import path_name
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MODULES = "modules.json"  # per-module adapters: which predictors each adapter served
+
+logger = logging.getLogger(__name__)
 
 
 def _lora_layers(model: Decoder) -> list[tuple[tuple, Linear]]:
@@ -49,7 +53,9 @@ def peft_key(path: tuple, factor: str) -> str:
 
 def save_peft_adapter(model: Decoder, directory: str | Path, base_model: str = "") -> Path:
     """The adapter as a PEFT folder; with per-module adapters, one PEFT folder per adapter under
-    `directory` (named after it) and `modules.json`, the predictor patterns that chose them."""
+    `directory` (named after it) and `modules.json`, the predictor patterns that chose them.
+    `base_model` (the checkpoint it was trained on) becomes PEFT's `base_model_name_or_path`,
+    which loading checks against the model it is loaded into."""
     lora = _require_lora(model)
     directory = Path(directory)
     # a folder saved before in the other layout keeps no file that would be read instead
@@ -130,9 +136,11 @@ def _modules(directory: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def load_peft_adapter(model: Decoder, directory: str | Path) -> Decoder:
+def load_peft_adapter(model: Decoder, directory: str | Path, base_model: str = "") -> Decoder:
     """Copy a PEFT adapter (per-module adapters: the folder `save_peft_adapter` wrote) into
-    `model`'s LoRA parameters (in place; sharding kept)."""
+    `model`'s LoRA parameters (in place; sharding kept). `base_model` names `model`'s checkpoint
+    for the check against the adapter's own base: an adapter of another model's shape is a
+    `CheckpointError` naming both; a differently named base of the same shape, a warning."""
     lora = _require_lora(model)
     directory = Path(directory)
     modules = _modules(directory)
@@ -144,17 +152,36 @@ def load_peft_adapter(model: Decoder, directory: str | Path) -> Decoder:
                 f"{list(lora.adapter_names)}; build it with adapter_lora_config(directory)"
             )
         for index, name in enumerate(names):
-            _load_one(model, lora, directory / name, index)
+            _load_one(model, lora, directory / name, index, base_model)
         return model
-    _load_one(model, lora, directory, 0)
+    _load_one(model, lora, directory, 0, base_model)
     return model
 
 
-def _load_one(model: Decoder, lora: LoRAConfig, directory: Path, adapter: int) -> None:
+def _load_one(
+    model: Decoder, lora: LoRAConfig, directory: Path, adapter: int, base_model: str
+) -> None:
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (directory / name).is_file():
             raise FileNotFoundError(f"no {name} in {str(directory)!r}")
     config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    trained_on = config.get("base_model_name_or_path") or ""
+
+    def other_model(what: str) -> CheckpointError:
+        return CheckpointError(
+            f"the adapter {str(directory)!r} was trained on "
+            f"{repr(trained_on) if trained_on else 'a base it does not name'}, not on the model "
+            f"{repr(base_model) if base_model else 'it is loaded into'}: {what}; load it into "
+            "the model it was trained on"
+        )
+
+    if trained_on and base_model and trained_on != base_model:
+        logger.warning(
+            "the adapter %s was trained on %r, loaded into %r (same shapes or refused below)",
+            directory,
+            trained_on,
+            base_model,
+        )
     found = {
         "r": config.get("r"),
         "lora_alpha": config.get("lora_alpha"),
@@ -173,12 +200,12 @@ def _load_one(model: Decoder, lora: LoRAConfig, directory: Path, adapter: int) -
             for layer_path, want in _per_layer(path, np.empty(shape, np.int8)):
                 key = peft_key(layer_path, factor)
                 if key not in tensors:
-                    raise KeyError(f"adapter tensor {key!r} is missing from {str(directory)!r}")
+                    raise other_model(f"it has no tensor {key!r} (the model is deeper)")
                 value = tensors.pop(key).T
                 if value.shape != want.shape:
-                    raise ValueError(
-                        f"adapter tensor {key!r} has shape {value.shape[::-1]}, "
-                        f"expected {want.shape[::-1]}"
+                    raise other_model(
+                        f"its tensor {key!r} has shape {value.shape[::-1]}, the model's "
+                        f"{want.shape[::-1]}"
                     )
                 parts.append(value)
             value = np.stack(parts) if stacked else parts[0]
@@ -190,7 +217,10 @@ def _load_one(model: Decoder, lora: LoRAConfig, directory: Path, adapter: int) -
                 value = whole
             param[...] = jax.device_put(jnp.asarray(value, current.dtype), current.sharding)
     if tensors:
-        raise ValueError(f"adapter tensors with no LoRA layer in the model: {sorted(tensors)[:8]}")
+        raise other_model(
+            f"{len(tensors)} of its tensors have no LoRA layer in the model, e.g. "
+            f"{sorted(tensors)[0]!r}"
+        )
 
 
 def merge_lora(model: Decoder, adapter: str | None = None) -> Decoder:

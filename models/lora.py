@@ -100,8 +100,9 @@ class LoRAConfig:
         )
 
     def check_predictors(self, names: Sequence[str]) -> dict[str, int]:
-        """Every predictor's adapter id; raises naming a predictor no pattern matches, or an
-        adapter no predictor uses (it would never be trained)."""
+        """Every predictor's adapter id; raises naming a predictor no pattern matches, an
+        adapter no predictor uses (it would never be trained), or a pattern that chooses no
+        predictor (a typo beside working patterns would otherwise pass unnoticed)."""
         ids = {name: self.adapter_id(name) for name in names}
         unused = [a for i, a in enumerate(self.adapter_names) if i not in ids.values()]
         if self.modules and unused:
@@ -109,7 +110,19 @@ class LoRAConfig:
                 f"LoRAConfig.modules adapters {unused} serve none of the program's predictors "
                 f"{sorted(ids)}"
             )
+        chosen = {self._first_rule(name) for name in names}
+        dead = [entry for i, entry in enumerate(self.modules) if i not in chosen]
+        if dead:
+            raise ValueError(
+                f"LoRAConfig.modules entries {dead} choose none of the program's predictors "
+                f"{sorted(ids)} (no match, or an earlier pattern takes them first)"
+            )
         return ids
+
+    def _first_rule(self, predictor: str) -> int | None:
+        return next(
+            (i for i, (p, _) in enumerate(self.rules) if fnmatch.fnmatchcase(predictor, p)), None
+        )
 
 
 class Linear(nnx.Module):

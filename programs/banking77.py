@@ -15,7 +15,15 @@ from typing import Literal
 
 from mmgrpo_jax.program import ChainOfThought, Example, Module, Prediction
 from mmgrpo_jax.program.signature import Field, Signature
-from programs.data import HUB, Splits, read_hub, read_jsonl, resolve_data_dir
+from programs.data import (
+    HUB,
+    DataUnavailable,
+    Splits,
+    load_hub,
+    read_hub,
+    read_jsonl,
+    resolve_data_dir,
+)
 
 TRAIN_SIZE, DEV_SIZE = 250, 500
 HUB_NAME = "PolyAI/banking77"
@@ -24,12 +32,13 @@ HUB_NAME = "PolyAI/banking77"
 def label_names(data_dir: str | Path | None = None) -> list[str]:
     root = resolve_data_dir(data_dir)
     if root == HUB:
-        import datasets
-
-        return list(datasets.load_dataset(HUB_NAME, split="test").features["label"].names)
+        return list(load_hub(HUB_NAME, "test").features["label"].names)
     path = Path(root) / "banking77" / "hf_label_names.json"
     if not path.is_file():
-        raise FileNotFoundError(f"Banking77 label names {str(path)!r} do not exist")
+        raise DataUnavailable(
+            f"Banking77 label names {str(path)!r} do not exist: task.data_dir must be a folder "
+            "laid out as docs/tasks.md says, or unset to read the Hugging Face hub"
+        )
     return list(json.loads(path.read_text()))
 
 

@@ -1,9 +1,12 @@
-"""Where the paper's datasets come from: a local folder of JSON Lines files, or the HF hub.
+"""Where the paper's datasets come from: the Hugging Face hub by default, or a local folder.
 
-`data_dir` resolves in this order: the argument, the `MMGRPO_DATA_DIR` environment variable, then
-`shared/data` beside the checkout (`../shared/data`) or beside one of its parent folders. The
-literal `"hub"` reads the Hugging Face hub names instead (needs network). `datasets` is imported
-here, never on the sampler/train path.
+`data_dir` resolves in this order: the argument (`task.data_dir=` on the command line), the
+`MMGRPO_DATA_DIR` environment variable, then the hub (`"hub"` names it explicitly). The hub is
+read through `datasets.load_dataset`, cached where `datasets` caches (`$HF_DATASETS_CACHE`), so
+a dataset fetched once loads again offline. A local folder holds the JSON Lines copies laid out
+as `docs/tasks.md` says (`banking77/train.jsonl`, `pupa/PUPA_New.jsonl`,
+`hover/hf_layout/validation.jsonl`, ...). `datasets` is imported here, never on the
+sampler/train path.
 """
 
 from __future__ import annotations
@@ -13,11 +16,20 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.program.example import Example
 
 ENV_VAR = "MMGRPO_DATA_DIR"
 HUB = "hub"
-_CHECKOUT = Path(__file__).resolve().parents[1]
+LAYOUT_DOC = "docs/tasks.md"
+OFFLINE_HINT = (
+    f"offline, point task.data_dir=PATH (or ${ENV_VAR}) at a local copy laid out as "
+    f"{LAYOUT_DOC} says"
+)
+
+
+class DataUnavailable(UserError):
+    """A dataset that cannot be read: no hub, a folder without the file. Says where to get it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,36 +47,58 @@ class Splits:
 
 
 def resolve_data_dir(data_dir: str | Path | None = None) -> Path | str:
-    """A local folder, or HUB; a folder named but absent is an error naming where it was looked."""
+    """A local folder, or HUB; a folder named but absent is an error naming the setting."""
     chosen = data_dir if data_dir is not None else os.environ.get(ENV_VAR)
-    if chosen == HUB:
+    if chosen is None or chosen == HUB:
         return HUB
-    if chosen is not None:
-        path = Path(chosen)
-        if not path.is_dir():
-            source = "data_dir" if data_dir is not None else f"${ENV_VAR}"
-            raise FileNotFoundError(f"{source}={str(chosen)!r} is not a directory")
-        return path
-    for folder in _CHECKOUT.parents:
-        if (folder / "shared" / "data").is_dir():
-            return folder / "shared" / "data"
-    raise FileNotFoundError(
-        f"no dataset folder: pass data_dir=..., set ${ENV_VAR}, or use data_dir='hub' online "
-        f"(looked for shared/data beside {_CHECKOUT} and its parents)"
-    )
+    path = Path(chosen)
+    if not path.is_dir():
+        source = "task.data_dir" if data_dir is not None else f"${ENV_VAR}"
+        raise DataUnavailable(
+            f"{source}={str(chosen)!r} is not a directory (a local copy of the paper's "
+            f"datasets, laid out as {LAYOUT_DOC} says; unset it to read the Hugging Face hub)"
+        )
+    return path
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Rows of a local JSON Lines file, through `datasets` like the hub path."""
     if not path.is_file():
-        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
+        raise DataUnavailable(
+            f"dataset file {str(path)!r} does not exist: task.data_dir (or ${ENV_VAR}) must be a "
+            f"folder laid out as {LAYOUT_DOC} says, or unset to read the Hugging Face hub"
+        )
     import datasets
 
     datasets.disable_progress_bars()  # small local files: a bar per file is noise
     return datasets.load_dataset("json", data_files=str(path), split="train").to_list()
 
 
-def read_hub(name: str, split: str, config: str | None = None) -> list[dict[str, Any]]:
+def load_hub(name: str, split: str, config: str | None = None) -> Any:
+    """One split of a hub dataset (a `datasets.Dataset`); a hub that cannot be reached, or a
+    dataset it cannot serve, is one `DataUnavailable` line saying how to work offline."""
     import datasets
 
-    return datasets.load_dataset(name, config, split=split).to_list()
+    where = f"{name}" + (f" ({config})" if config else "") + f" split {split!r}"
+    try:
+        return datasets.load_dataset(name, config, split=split)
+    except (ConnectionError, TimeoutError) as err:  # no network, or the hub refused
+        raise DataUnavailable(
+            f"the Hugging Face hub cannot be reached for {where} ({_first_line(err)}); "
+            f"{OFFLINE_HINT}"
+        ) from None
+    except (OSError, ValueError, RuntimeError, datasets.exceptions.DatasetsError) as err:
+        # not on the hub, an HTTP error, or a repository datasets no longer loads (a script)
+        raise DataUnavailable(
+            f"the Hugging Face hub cannot serve {where} ({type(err).__name__}: "
+            f"{_first_line(err)}); {OFFLINE_HINT}"
+        ) from None
+
+
+def read_hub(name: str, split: str, config: str | None = None) -> list[dict[str, Any]]:
+    return load_hub(name, split, config).to_list()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

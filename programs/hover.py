@@ -6,10 +6,10 @@ module `take_notes` (after every hop but the last) turns the new passages into k
 modules run once per hop, so module-level grouping sees several invocations of each. The paper's
 shape is 4 hops x 25 passages (Recall@100).
 
-Offline splits (the train release is not available offline, see ../shared/data/hover/README.md):
+Local splits (a local copy need not hold the train release; docs/tasks.md gives the layout):
 the labelled dev release, claims with num_hops == 3 (= 3 distinct gold titles), first claim per
 hpqa_id (772 claims), shuffled with `random.Random(seed)`, cut 50 / 25 / 25 % into train / dev /
-test (386 / 193 / 193). With `data_dir="hub"` the same recipe runs on the hub's train release,
+test (386 / 193 / 193). From the hub (the default) the same recipe runs on the train release,
 cut into the paper's 500 / 500 and the rest as test.
 """
 
@@ -72,8 +72,9 @@ def write_title_proxy_corpus(data_dir: str | Path | None, out_path: str | Path) 
     """
     root = resolve_data_dir(data_dir)
     if root == HUB:
-        raise ValueError("the title proxy corpus is built from the local dev release")
-    rows = read_jsonl(Path(root) / "hover" / "hf_layout" / "validation.jsonl")
+        rows = read_hub(HUB_NAME, "validation")  # the hub's layout is hf_layout's
+    else:
+        rows = read_jsonl(Path(root) / "hover" / "hf_layout" / "validation.jsonl")
     titles = dict.fromkeys(t for row in rows for t in gold_titles(row))
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,7 @@ class ExternalLMConfig:
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
     name: str = "banking77"
-    data_dir: str | None = None  # default: $MMGRPO_DATA_DIR, then ../shared/data; "hub" online
+    data_dir: str | None = None  # a local copy (docs/tasks.md); else $MMGRPO_DATA_DIR, else the hub
     split_seed: int = 0
     untrusted_lm: ExternalLMConfig = dataclasses.field(default_factory=ExternalLMConfig)
     judge_lm: ExternalLMConfig = dataclasses.field(default_factory=ExternalLMConfig)
@@ -136,10 +136,13 @@ def load_splits(cfg: TaskConfig) -> Splits:
     return TASKS.lookup(cfg.name, "TaskConfig.name").load(cfg)
 
 
-def build_task(cfg: TaskConfig, local_lm: LocalLM | None = None) -> Task:
-    """`local_lm(max_tokens, temperature)` gives the frozen base model, when a role needs it."""
+def build_task(
+    cfg: TaskConfig, local_lm: LocalLM | None = None, splits: Splits | None = None
+) -> Task:
+    """`local_lm(max_tokens, temperature)` gives the frozen base model, when a role needs it;
+    `splits`, when the caller read them already (`load_splits`, before the model)."""
     spec = TASKS.lookup(cfg.name, "TaskConfig.name")
-    splits = spec.load(cfg)
+    splits = spec.load(cfg) if splits is None else splits
     program, metric = spec.build(cfg, local_lm)
     return Task(program, metric, splits)
 

@@ -17,7 +17,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
+# Tests never download: the hub is off for the session (a hub read fails at once, not after a
+# minute of retries), and the paper's datasets come from a local copy when there is one.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 import pytest  # noqa: E402
+
+from tests.paper_data import ENV_VAR, LOCAL_DATA  # noqa: E402
+
+if LOCAL_DATA is not None:
+    os.environ[ENV_VAR] = str(LOCAL_DATA)
 
 from tests.models.hf_fixtures import CHECKPOINTS, write_checkpoint  # noqa: E402
 

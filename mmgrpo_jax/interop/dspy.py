@@ -211,7 +211,7 @@ def _load_policy(source: Mapping[str, Any]) -> LM:
     dtype = jnp.dtype(source.get("dtype", "float32"))
     model, tokenizer, stop = load_checkpoint(source["model_path"], dtype=dtype, lora=lora)
     if adapter is not None:
-        load_peft_adapter(model, adapter)
+        load_peft_adapter(model, adapter, base_model=str(source["model_path"]))
     sampling = Sampling(max_new_tokens=int(source.get("max_tokens", 256)), temperature=0.0)
     adapter = _adapter_index(model, source.get("adapter_name"))
     return EngineLM.local(model, tokenizer, sampling=sampling, stop_token_ids=stop, adapter=adapter)
@@ -418,6 +418,12 @@ class DSPyProgram(Module):
     def __init__(self, program: Any, *, adapter: Any | None = None) -> None:
         if not isinstance(program, dspy.Module):
             raise TypeError(f"DSPyProgram wraps a dspy.Module, got {type(program).__name__}")
+        if not callable(getattr(type(program), "forward", None)):
+            kind = "only aforward" if hasattr(type(program), "aforward") else "no forward"
+            raise UserError(
+                f"the DSPy program {type(program).__name__} defines {kind}: async programs are "
+                "not supported (rollouts run each program on a thread of its own); define forward"
+            )
         self.program = program
         self.adapter = adapter if adapter is not None else dspy.settings.adapter
         self.callbacks = list(dspy.settings.get("callbacks") or [])  # the same goes for these
@@ -450,6 +456,24 @@ class DSPyProgram(Module):
         # read through the class: DSPy warns when forward is fetched from an instance
         forward = functools.partial(type(self.program).forward, self.program)
         check_call(forward, type(self.program).__name__, inputs, where)
+
+    def check_adapter(self) -> None:
+        """Refuse, before any rollout, predictors the adapter cannot serve: BareAdapter writes
+        one output field per reply, so a ChainOfThought (reasoning + answer) on it would fail
+        every call."""
+        if not isinstance(self.adapter, BareAdapter):
+            return
+        several = {
+            name: list(p.signature.output_fields)
+            for name, p in self.named_predictors()
+            if len(p.signature.output_fields) != 1
+        }
+        if several:
+            raise UserError(
+                f"BareAdapter writes a reply of one output field; predictors {several} have "
+                "several (ChainOfThought adds `reasoning`): give each one output field "
+                "(dspy.Predict), or use ChatAdapter with a policy that writes its headed format"
+            )
 
     def check_policy(self) -> None:
         """Refuse predictors that carry an LM other than a PolicyLM: their calls would bypass
@@ -492,6 +516,40 @@ def _single_reply(adapter: Any) -> Any:
         adapter = copy.copy(adapter)
         adapter.use_json_adapter_fallback = False
     return adapter
+
+
+class KeepAdapter(BaseCallback):
+    """The reply format a program was trained with, kept for calls made outside any
+    `dspy.context` that sets an adapter (DSPy would otherwise use ChatAdapter, with its JSON
+    fallback): an instance-level callback that opens `dspy.context(adapter=...)` when a module
+    starts and closes it when the module ends. A context that sets an adapter wins."""
+
+    def __init__(self, adapter: Any) -> None:
+        super().__init__()
+        self.adapter = adapter
+        self._open: dict[str, Any] = {}  # call id -> the context this call entered
+
+    def on_module_start(self, call_id: str, instance: Any, inputs: dict[str, Any]) -> None:
+        if dspy.settings.adapter is None:
+            context = dspy.context(adapter=self.adapter)
+            context.__enter__()
+            self._open[call_id] = context
+
+    def on_module_end(self, call_id: str, outputs: Any, exception: Exception | None = None) -> None:
+        context = self._open.pop(call_id, None)
+        if context is not None:
+            context.__exit__(None, None, None)
+
+
+def keep_adapter(program: Any, adapter: Any) -> None:
+    """`program` and each of its predictors (callable alone too) keep `adapter` (KeepAdapter);
+    a callback of an earlier training is replaced."""
+    keeper = KeepAdapter(adapter)
+    for module in [program, *(p for _, p in program.named_predictors())]:
+        kept = [
+            c for c in getattr(module, "callbacks", None) or [] if not isinstance(c, KeepAdapter)
+        ]
+        module.callbacks = [*kept, keeper]
 
 
 # -- a format a small policy can write ----------------------------------------------------------
@@ -595,10 +653,12 @@ def is_dspy_module(program: Any) -> bool:
 def train(trainer: Any, program: Any, trainset: Sequence[Any], valset: Sequence[Any]) -> Any:
     """`MMGRPO.compile` on a DSPy program: train through `DSPyProgram`, then give back a deep
     copy of the program whose predictors' LM is the trained policy (greedy; with per-module
-    adapters each predictor's LM serves its own adapter), saved the DSPy way as
-    `<run_dir>/program.json` beside the PEFT adapter."""
+    adapters each predictor's LM serves its own adapter) and whose calls keep the reply format
+    the rollouts used (`keep_adapter`), saved the DSPy way as `<run_dir>/program.json` beside
+    the PEFT adapter."""
     wrapped = DSPyProgram(program)
     wrapped.check_policy()
+    wrapped.check_adapter()
     metric = trainer.metric
     trainer.metric = dspy_metric(metric)
     try:
@@ -614,6 +674,7 @@ def train(trainer: Any, program: Any, trainset: Sequence[Any], valset: Sequence[
         source = {"model_path": str(cfg.model_path), "adapter": str(run_dir / "adapter")}
         source.update(dtype=str(cfg.dtype), max_tokens=cfg.sampler.max_completion_tokens)
     trained = program.deepcopy()
+    keep_adapter(trained, _single_reply(wrapped.adapter or dspy.ChatAdapter()))
 
     def policy(adapter_name: str | None = None) -> PolicyLM:
         return PolicyLM.local(

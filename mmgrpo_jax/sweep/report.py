@@ -17,7 +17,7 @@ import logging
 import math
 import statistics
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -339,17 +339,23 @@ def diagnostics_tables(config: SweepConfig, results: Sequence[RunResult]) -> tup
     return text, buffer.getvalue()
 
 
-def recorded_runs(config: SweepConfig, results: Sequence[RunResult]) -> list[RunResult]:
+def recorded_runs(
+    config: SweepConfig,
+    results: Sequence[RunResult],
+    present: Iterable[tuple[Cell, int]] = (),
+) -> list[RunResult]:
     """The runs the sweep folder's runs.csv lists as finished that `results` lacks (their run
     folders are gone, e.g. a fresh clone of committed results), as the sweep recorded them:
-    score, steps to the threshold and wall time, no curve. A row that names no cell of the
-    sweep, or whose numbers do not read, is an error naming the file and row."""
+    score, steps to the threshold and wall time, no curve. `present`: (cell, seed) runs whose
+    folders are here but could not be read (reported as failed, so not "gone" as well). A row
+    that names no cell of the sweep, or whose numbers do not read, is an error naming the file
+    and row."""
     path = Path(config.out) / "runs.csv"
     if not path.is_file():
         return []
     axes = [axis.name for axis in config.grid]
     cells = {tuple(dict(c.labels)[a] for a in axes): c for c in config.report_cells}
-    found = {(r.cell, r.seed) for r in results}
+    found = {(r.cell, r.seed) for r in results} | set(present)
     recorded = []
     with path.open(newline="") as f:
         for line, row in enumerate(csv.DictReader(f), start=2):

@@ -114,7 +114,8 @@ def run_sweep(
                 todo.append((cell, seed))
         skipped = len(results)
         _collect_reference(config, results, failures)
-        recorded = recorded_runs(config, results)
+        # a finished run that failed to read is reported once, as failed, not also as "gone"
+        recorded = recorded_runs(config, results, [(f.cell, f.seed) for f in failures])
         # another sweep's baseline runs are never run here: their record is all there is
         results += [r for r in recorded if r.cell not in config.cells]
         recorded = [r for r in recorded if r.cell in config.cells]

@@ -267,7 +267,15 @@ class MMGRPOConfig:
                 f"({sorted(MODELS)})",
             )
         pack, prompt = self.memory.pack_length, self.sampler.max_prompt_tokens
-        longest = None if prompt is None else prompt + self.sampler.max_completion_tokens
+        completion = self.sampler.max_completion_tokens
+        if pack and prompt is None:  # a prompt up to the model's limit: no pack would hold it
+            raise ValueError(
+                f"MMGRPOConfig.memory.pack_length={pack} needs a bound on the rows it packs: set "
+                f"sampler.max_prompt_tokens (at most pack_length - max_completion_tokens = "
+                f"{pack - completion}); it is null, so a prompt could be as long as the model "
+                "allows"
+            )
+        longest = None if prompt is None else prompt + completion
         if pack and longest is not None and pack < longest:
             raise ValueError(
                 f"MMGRPOConfig.memory.pack_length={pack} is shorter than the longest row, "

@@ -681,7 +681,7 @@ class MMGRPO:
                 f"trainset ({len(trainset)} examples)"
             )
         predictors = [name for name, _ in program.named_predictors()]
-        if cfg.per_module_adapters:
+        if cfg.lora.modules:  # one adapter too: a pattern must still name the program's modules
             try:
                 cfg.lora.check_predictors(predictors)
             except ValueError as err:
@@ -907,10 +907,22 @@ class _Run:
         self.save()
         _give_back(self.trainer.model, self.learner.state)
         if cfg.train == "lora" and parallel.is_main_process():
-            save_peft_adapter(self.trainer.model, self.run_dir / "adapter")
+            base = cfg.model_path or ""  # PEFT's base_model_name_or_path: what loading checks
+            save_peft_adapter(self.trainer.model, self.run_dir / "adapter", base_model=base)
         # steps whose gradient was zero ran no forward or backward pass (make_idle_step)
         idle = int(sum(r.get("idle_update", 0.0) for r in self.log.history))
-        if idle and idle == cfg.num_steps and cfg.loss.beta == 0:
+        steps = [r for r in self.log.history if "status_ok" in r]
+        if steps and not sum(r["status_ok"] for r in steps):  # the reason, not "idle"
+            logger.warning(
+                "no rollout of this run succeeded: of %d trajectories, %d failed to parse a "
+                "reply (format failures) and %d raised an error, so every reward was a failure "
+                "score; a reply format the policy can write (bare=True predictors, or "
+                "BareAdapter for a DSPy program) or a stronger policy is needed",
+                sum(r["trajectories"] for r in steps),
+                sum(r["status_format_failure"] for r in steps),
+                sum(r["status_error"] for r in steps),
+            )
+        elif idle and idle == cfg.num_steps and cfg.loss.beta == 0:
             logger.warning(
                 "all %d steps of this run were idle: in every group the rewards were equal "
                 "(no advantage), so nothing was learnt; a policy that already gets some "

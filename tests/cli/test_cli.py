@@ -1,5 +1,6 @@
 import io
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -94,3 +95,26 @@ def test_help_lists_every_key_with_its_default(capsys, command, keys):
     lines = capsys.readouterr().out.splitlines()
     for key in keys:
         assert f"  {key}" in lines
+
+
+def test_eval_help_lists_the_registered_tasks_plugins_included(capsys, tmp_path, monkeypatch):
+    """It listed a fixed "banking77 | papillon | hover | capitals | yours"; the registry's
+    names are what `--program` accepts, a plugin's among them."""
+    from programs.tasks import TASKS
+
+    (tmp_path / "help_plugin.py").write_text(
+        "from programs.tasks import TASKS, register_task\n"
+        "register_task('help_plugin_task', load=None, build=lambda cfg, lm: None)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MMGRPO_PLUGINS", "help_plugin")
+    try:
+        with pytest.raises(SystemExit):
+            cli.main(["eval", "--help"])
+        tasks = capsys.readouterr().out.splitlines()[-1]
+        assert tasks.startswith("tasks (task.name=, or --program): ")
+        listed = tasks.split(": ", 1)[1].split(", ")
+        assert listed == sorted(TASKS) and {"capitals", "help_plugin_task"} <= set(listed)
+    finally:
+        TASKS.pop("help_plugin_task", None)
+        sys.modules.pop("help_plugin", None)

@@ -17,11 +17,13 @@ from mmgrpo_jax.cli import demo, experiment
 from mmgrpo_jax.config_files import load_config
 from mmgrpo_jax.trainer.config import MMGRPOConfig
 from mmgrpo_jax.trainer.run_lock import RunLock
+from tests.paper_data import skip_without_paper_data
 from tests.tiny_checkpoint import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
+    skip_without_paper_data()  # its tokenizer is trained on the paper tasks' text
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"))
 
 
@@ -287,3 +289,40 @@ def test_a_second_demo_into_a_running_demos_run_dir_is_refused_and_the_first_fin
     assert first.returncode == 0, err
     meta = json.loads((run_dir / "checkpoints" / "6" / "meta" / "metadata").read_text())
     assert meta["config"]["seed"] == 0 and json.loads(out)["steps"] == 6
+
+
+def test_an_adapter_of_another_model_is_one_line_naming_its_base_and_the_model(tmp_path, capsys):
+    """An adapter trained on one checkpoint, evaluated on another shape: it was a traceback on a
+    shape mismatch; now the adapter names its base (PEFT's base_model_name_or_path) and the
+    command names both."""
+    from models.export import save_peft_adapter
+    from models.hf import load_checkpoint
+    from models.lora import LoRAConfig
+    from models.tiny_checkpoint import write_tiny_checkpoint as write_random
+
+    trained_on = write_random(tmp_path / "narrow", hidden_size=32)
+    other = write_random(tmp_path / "wide", hidden_size=64)
+    model, _, _ = load_checkpoint(trained_on, lora=LoRAConfig(rank=2, alpha=4.0))
+    adapter = save_peft_adapter(model, tmp_path / "adapter", base_model=str(trained_on))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(trained_on)
+    capsys.readouterr()
+    argv = ["eval", "--program", "capitals", "--model", str(other), "--adapter", str(adapter)]
+    assert cli.main([*argv, "--limit", "1", "--out", str(tmp_path / "p.jsonl")]) == 2
+    err = one_line_error(capsys)
+    assert f"was trained on {str(trained_on)!r}, not on the model {str(other)!r}" in err
+    assert "has shape" in err and "load it into the model it was trained on" in err
+    argv = ["eval", "--program", "capitals", "--model", str(trained_on), "--adapter", str(adapter)]
+    assert cli.main([*argv, "--limit", "1", "--out", str(tmp_path / "p.jsonl")]) == 0
+
+
+@pytest.mark.parametrize("argv", [["train", "--help"], ["models", "list"]], ids=" ".join)
+def test_a_reader_that_goes_away_ends_the_command_quietly(argv):
+    """`mmgrpo train --help | head -1` was a BrokenPipeError traceback: with stdout's reader
+    gone before the first write, the command exits 141 (as if killed by SIGPIPE), saying nothing."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(Path(__file__).parents[2])}
+    command = [sys.executable, "-m", "mmgrpo_jax.cli", *argv]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    child.stdout.close()  # the reader is gone before anything is written
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 128 + signal.SIGPIPE and err.decode() == ""

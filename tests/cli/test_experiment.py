@@ -11,6 +11,7 @@ from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
 from models.lora import LoRAConfig
 from programs import retrieval, tasks
 from programs.tasks import ExternalLMConfig, TaskConfig
+from tests.paper_data import skip_without_paper_data
 from tests.tiny_checkpoint import write_tiny_checkpoint
 
 CONFIGS = Path(__file__).parents[2] / "experiments" / "configs"
@@ -24,6 +25,7 @@ PREDICTORS = {
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
+    skip_without_paper_data()  # its tokenizer is trained on the paper tasks' text
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"))
 
 

@@ -53,6 +53,19 @@ def test_an_unknown_task_or_plugin_is_one_line(plugin_dir, monkeypatch, capsys):
     assert err.startswith("mmgrpo optimize-prompts: MMGRPO_PLUGINS=") and "'no_such_module'" in err
 
 
+def test_a_plugin_that_raises_on_import_is_one_line_exit_2_naming_it(
+    plugin_dir, monkeypatch, capsys
+):
+    """It was a traceback and exit 1, which means "a sweep with failed runs"."""
+    (plugin_dir / "broken_plugin.py").write_text("raise KeyError('TASK_TABLE')\n")
+    monkeypatch.setenv("MMGRPO_PLUGINS", "broken_plugin")
+    code = cli.main(["optimize-prompts", "--dry-run", "task.name=echo_plugin"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "module 'broken_plugin' cannot be imported (KeyError: 'TASK_TABLE')" in err
+    sys.modules.pop("broken_plugin", None)
+
+
 def test_the_cli_reference_lists_every_command_option_and_key():
     text = cli_reference()
     for command in ("demo", "groups", "train", "optimize-prompts", "better-together", "eval"):

@@ -382,6 +382,45 @@ def test_a_predictor_with_its_own_lm_is_refused():
         DSPyProgram(program).check_policy()
 
 
+def test_an_async_program_is_refused_in_one_line_before_training():
+    """A program with only aforward was an internal AttributeError (type(program).forward)."""
+    from mmgrpo_jax.interop.dspy import train
+
+    class AsyncQA(dspy.Module):
+        def __init__(self):
+            super().__init__()
+            self.answer = dspy.Predict("question -> answer")
+
+        async def aforward(self, question):
+            return await self.answer.acall(question=question)
+
+    message = r"AsyncQA defines only aforward: async programs are not supported.*define forward"
+    with pytest.raises(UserError, match=message):
+        train(None, AsyncQA(), [], [])  # the trainer is not reached
+    with pytest.raises(UserError, match=r"defines no forward"):
+        DSPyProgram(dspy.Module())
+
+
+def test_chain_of_thought_on_bare_adapter_is_refused_before_any_rollout():
+    """BareAdapter writes one field per reply: a ChainOfThought on it failed every call (a
+    ValueError inside each rollout) and the run ended "idle"."""
+    from mmgrpo_jax.interop.dspy import train
+
+    class Reasoned(dspy.Module):
+        def __init__(self):
+            super().__init__()
+            self.think = dspy.ChainOfThought("question -> answer")
+            self.short = dspy.Predict("question -> answer")
+
+        def forward(self, question):
+            return self.think(question=question)
+
+    message = r"predictors \{'think.predict': \['reasoning', 'answer'\]\} have several"
+    with dspy.context(adapter=BareAdapter()), pytest.raises(UserError, match=message):
+        train(None, Reasoned(), [], [])  # the trainer is not reached
+    DSPyProgram(Reasoned(), adapter=dspy.ChatAdapter()).check_adapter()  # headed: fine
+
+
 # -- groups: the same as the native program's and as dspy.GRPO's ----------------------------------
 class Answer(Module):
     def __init__(self):
@@ -598,9 +637,21 @@ def test_an_unmodified_dspy_program_trains_as_its_native_twin(tmp_path):
     policy = trained.draft.lm
     assert isinstance(policy, PolicyLM) and trained.final.lm is policy
     try:
-        with dspy.context(adapter=BareAdapter()):
-            pred = trained(question=TRAIN[0].question)
+        # called outside any dspy.context, it keeps the format it was trained with: any reply
+        # parses under BareAdapter, none of the random policy's under ChatAdapter's headers
+        assert dspy.settings.adapter is None
+        pred = trained(question=TRAIN[0].question)
         assert isinstance(pred.answer, str)
+        assert isinstance(trained.final(question="q", draft="d").answer, str)  # a predictor alone
+        rendered = [m["content"] for m in policy.history[-1]["messages"]]
+        assert rendered == [
+            m["content"]
+            for m in BareAdapter().format(
+                trained.final.signature, [], {"question": "q", "draft": "d"}
+            )
+        ]
+        with dspy.context(adapter=dspy.ChatAdapter()), pytest.raises(Exception, match="parse"):
+            trained(question=TRAIN[0].question)  # a context's adapter wins
     finally:
         policy.close()
     saved = json.loads((tmp_path / "dspy" / "run" / "program.json").read_text())

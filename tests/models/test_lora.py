@@ -189,6 +189,10 @@ def test_modules_map_predictor_names_to_adapters_first_match_first():
     with pytest.raises(ValueError, match=r"adapters \['reader'\] serve none"):
         TWO.check_predictors(["query"])
     assert TWO.check_predictors(["query", "answer"]) == {"query": 0, "answer": 1}
+    with pytest.raises(ValueError, match=r"entries \['quer=writer'\] choose none"):
+        LoRAConfig(modules=("query*=writer", "quer=writer", "*=reader")).check_predictors(
+            ["query", "answer"]
+        )
 
 
 def single_adapter(model, adapter):

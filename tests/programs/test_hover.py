@@ -15,8 +15,10 @@ from programs.hover import (
     write_title_proxy_corpus,
 )
 from programs.retrieval import BM25Retriever
+from tests.paper_data import needs_paper_data
 
 
+@needs_paper_data
 def test_offline_splits_are_three_title_claims_one_per_hpqa_id():
     splits = load_hover()
     assert (len(splits.train), len(splits.dev), len(splits.test)) == (386, 193, 193)
@@ -74,6 +76,7 @@ def test_program_hops_through_both_modules_and_scores_recall(tmp_path):
     assert t.prediction.titles[:2] == ["Greater Swiss Mountain Dog", "Harrier (dog)"]
 
 
+@needs_paper_data
 def test_title_proxy_corpus_holds_every_cited_title(tmp_path):
     path = write_title_proxy_corpus(None, tmp_path / "titles.jsonl")
     titles = [json.loads(line)["title"] for line in path.read_text().splitlines()]

@@ -5,8 +5,10 @@ from mmgrpo_jax.program.adapter import format_outputs
 from mmgrpo_jax.rl.rollout import run_trajectory
 from mmgrpo_jax.testing import ScriptedLM
 from programs.papillon import Papillon, PapillonJudge, load_pupa, pii_units
+from tests.paper_data import needs_paper_data
 
 
+@needs_paper_data
 def test_pupa_splits_in_file_order_and_pii_units():
     splits = load_pupa()
     assert (len(splits.train), len(splits.dev), len(splits.test)) == (111, 111, 221)

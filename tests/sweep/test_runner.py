@@ -169,6 +169,7 @@ def test_a_cut_metrics_line_is_dropped_and_an_unreadable_run_fails_alone(
         (config.cells[1], 0, None, summary)
     ]
     assert "JSONDecodeError" in report.failures[0].last_line
+    assert "whose folders are not here" not in caplog.text  # reported once, as failed
     assert sorted((r.cell.name, r.seed) for r in report.results) == [
         (config.cells[0].name, 0),
         (config.cells[0].name, 1),

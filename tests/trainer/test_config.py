@@ -115,3 +115,31 @@ def test_a_field_added_at_its_default_is_no_change_to_an_older_record():
     moved = {**now, "loss.sapo_tau_pos": 2.0}
     assert changed_keys(older, moved, defaults) == ["loss.sapo_tau_pos"]
     assert changed_keys({**older, "loss.gone": 1}, now, defaults) == ["loss.gone"]
+
+
+def test_packed_rows_need_a_prompt_bound_so_no_row_can_outgrow_them_after_rollouts(capsys):
+    """pack_length without sampler.max_prompt_tokens: any prompt up to the model's limit could
+    be sampled and then not fit a pack (it was a traceback after the first step's rollouts)."""
+    with pytest.raises(
+        ValueError,
+        match=r"pack_length=64 needs a bound on the rows it packs: "
+        r"set sampler.max_prompt_tokens \(at most .* = 48\)",
+    ):
+        MMGRPOConfig(
+            memory=MemoryConfig(pack_length=64), sampler=SamplerConfig(max_completion_tokens=16)
+        )
+    with pytest.raises(ValueError, match=r"pack_length=64 is shorter than the longest row"):
+        MMGRPOConfig(
+            memory=MemoryConfig(pack_length=64),
+            sampler=SamplerConfig(max_prompt_tokens=49, max_completion_tokens=16),
+        )
+    MMGRPOConfig(
+        memory=MemoryConfig(pack_length=64),
+        sampler=SamplerConfig(max_prompt_tokens=48, max_completion_tokens=16),
+    )
+    from mmgrpo_jax import cli
+
+    argv = ["train", "task.name=capitals", "mmgrpo.memory.pack_length=64"]
+    assert cli.main(argv) == 2  # when the config is read: before a model or a rollout
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "needs a bound on the rows it packs" in err

@@ -120,8 +120,9 @@ def test_two_steps_train_only_lora_and_log_everything(
     lora_before = jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))
     loss = LossConfig("grpo", beta=0.04)
     cfg = config(tmp_path, grouping=grouping, loss=loss, loss_unit=loss_unit, lora=lora)
-    if memory is not None:
-        cfg = dataclasses.replace(cfg, memory=memory)
+    if memory is not None:  # packed rows need a bound on the prompts they pack
+        sampler = dataclasses.replace(cfg.sampler, max_prompt_tokens=240)
+        cfg = dataclasses.replace(cfg, memory=memory, sampler=sampler)
     model, _ = run(tokenizer, cfg, model)
     jax.tree.map(np.testing.assert_array_equal, base_before, base_params(model))
     lora_after = jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))
@@ -256,7 +257,12 @@ def test_the_sampler_weight_is_logged_per_module(tokenizer, tmp_path):
 
 def test_per_module_adapters_refuse_what_they_cannot_serve(tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"pack_length=256 with per-module adapters"):
-        config(tmp_path, lora=PER_MODULE, memory=MemoryConfig(pack_length=256))
+        config(
+            tmp_path,
+            lora=PER_MODULE,
+            memory=MemoryConfig(pack_length=256),
+            sampler=SamplerConfig(max_prompt_tokens=240, max_completion_tokens=4),
+        )
     with pytest.raises(ValueError, match=r"lora.modules=\['draft\*=drafter'.*needs train='lora'"):
         config(tmp_path, lora=PER_MODULE, train="full")
     only_draft = LoRAConfig(rank=2, alpha=4.0, modules=("draft=drafter", "answer=other"))
@@ -268,6 +274,54 @@ def test_per_module_adapters_refuse_what_they_cannot_serve(tokenizer, tmp_path):
         run(tokenizer, config(tmp_path, lora=unused), tiny_decoder(len(tokenizer), lora=unused))
     with pytest.raises(ValueError, match=r"the model's LoRA modules .* are not the config's"):
         run(tokenizer, config(tmp_path, lora=PER_MODULE))  # a one-adapter model
+
+
+@pytest.mark.parametrize(
+    ("modules", "message"),
+    [
+        # one adapter: it trained silently as if lora.modules were unset
+        (("drafts=shared",), r"predictor 'draft' matches no LoRAConfig\.modules pattern"),
+        (("*=shared", "typo*=shared"), r"entries \['typo\*=shared'\] choose none"),
+        # a dead pattern beside working ones, on several adapters
+        (("draft=d", "drfat=d", "final=f"), r"entries \['drfat=d'\] choose none"),
+        (("*=d", "final=f"), r"adapters \['f'\] serve none"),
+    ],
+    ids=["one_adapter_no_match", "one_adapter_dead", "typo_beside_working", "shadowed"],
+)
+def test_lora_module_patterns_that_choose_no_predictor_are_refused_before_rollouts(
+    tokenizer, tmp_path, modules, message
+):
+    lora = LoRAConfig(rank=2, alpha=4.0, modules=modules)
+    model = tiny_decoder(len(tokenizer), lora=lora)
+    with pytest.raises(UserError, match=message):
+        run(tokenizer, config(tmp_path, lora=lora), model)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no step ran
+
+
+class Headed(Module):
+    """A headed-format predictor, which a tiny random policy never writes."""
+
+    def __init__(self):
+        self.answer = Predict("question -> answer")
+
+    def forward(self, question):
+        return self.answer(question=question)
+
+
+def test_a_run_whose_every_rollout_failed_to_parse_says_so_not_idle(tokenizer, tmp_path, caplog):
+    cfg = config(tmp_path, eval_every=100)
+    model = new_model(tokenizer)
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    optimizer = MMGRPO(reward, cfg, model=model, tokenizer=tokenizer, stop_token_ids=stop)
+    optimizer.compile(Headed(), TRAIN, ())
+    steps = [
+        r
+        for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        if "status_ok" in r
+    ]
+    assert [r["status_format_failure"] for r in steps] == [6.0, 6.0]  # 2 inputs x 3 rollouts
+    assert "no rollout of this run succeeded: of 12 trajectories, 12 failed to parse" in caplog.text
+    assert "were idle" not in caplog.text
 
 
 def test_steps_whose_gradient_is_zero_run_no_pass_and_equal_the_full_step(
