@@ -48,8 +48,12 @@ class Splits:
 
 def resolve_data_dir(data_dir: str | Path | None = None) -> Path | str:
     """A local folder, or HUB; a folder named but absent is an error naming the setting."""
-    chosen = data_dir if data_dir is not None else os.environ.get(ENV_VAR)
-    if chosen is None or chosen == HUB:
+    if data_dir is not None and not str(data_dir).strip():  # Path("") would be the cwd
+        raise DataUnavailable(
+            f"task.data_dir={str(data_dir)!r} is empty: name a folder, {HUB!r}, or leave it unset"
+        )
+    chosen = data_dir if data_dir is not None else os.environ.get(ENV_VAR) or None
+    if chosen is None or chosen == HUB:  # `MMGRPO_DATA_DIR= cmd`, as shells unset it, too
         return HUB
     path = Path(chosen)
     if not path.is_dir():

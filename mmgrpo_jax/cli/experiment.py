@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,6 +50,7 @@ from models.fetch import MODELS, resolve_model_path
 from models.hf import load_checkpoint
 from models.tokenizer import HFTokenizer
 from programs.tasks import (
+    TASKS,
     ExternalLMConfig,
     Task,
     TaskConfig,
@@ -158,6 +160,9 @@ class Policy:
 
     def __init__(self, cfg: ExperimentConfig) -> None:
         self.cfg = cfg
+        if cfg.prompt_state is not None:  # another program's, or not JSON: before the model
+            program, _ = TASKS.lookup(cfg.task.name, "TaskConfig.name").build(cfg.task, _no_model)
+            load_prompt_state(program, cfg.prompt_state)
         self.model, self.tokenizer, self.stop = load_policy(cfg.mmgrpo)
         self.frozen = FrozenBaseLMs(self.model, self.tokenizer, self.stop)
         sampler = cfg.mmgrpo.sampler
@@ -175,7 +180,7 @@ class Policy:
             self.close()
             raise
         if cfg.prompt_state is not None:
-            self.task.program.load(cfg.prompt_state)
+            load_prompt_state(self.task.program, cfg.prompt_state)
         self.trainset = _first(self.task.splits.train, cfg.train_limit)
         self.valset = _first(self.task.splits.dev, cfg.val_limit)
         self.testset = _first(self.task.splits.test, cfg.test_limit)
@@ -248,6 +253,21 @@ class _NoModel:
         raise AssertionError("a dry run called an LM")
 
 
+def _no_model(max_tokens: int, temperature: float = 0.0) -> _NoModel:
+    return _NoModel()
+
+
+def load_prompt_state(program: Module, path: str) -> None:
+    """`prompt_state=` into the program; a file that is not JSON, or another program's, is
+    one line naming the file."""
+    try:
+        program.load(path)
+    except (OSError, ValueError) as err:  # json's errors are ValueErrors
+        raise UserError(
+            f"ExperimentConfig.prompt_state={path!r} cannot be loaded into the program: {err}"
+        ) from None
+
+
 def dry_run_budget(config_file: str | None, overrides: Sequence[str], out: TextIO) -> int:
     """`optimize-prompts --dry-run`: MIPROv2's budget from the task, the split sizes and the
     prompt_opt section alone; no checkpoint is read (model_path need not be on this machine)."""
@@ -256,7 +276,7 @@ def dry_run_budget(config_file: str | None, overrides: Sequence[str], out: TextI
         raise UserError(f"the config must be a mapping, got {tree!r}")
     task_cfg = build_config(TaskConfig, tree.get("task", {}), "task.")
     prompt_cfg = build_config(PromptOptConfig, tree.get("prompt_opt", {}), "prompt_opt.")
-    task = build_task(task_cfg, lambda max_tokens, temperature=0.0: _NoModel())
+    task = build_task(task_cfg, _no_model)
     trainset = _first(task.splits.train, tree.get("train_limit"))
     valset = _first(task.splits.dev, tree.get("val_limit"))
     mipro = MIPROv2(task.metric, prompt_cfg, prompt_lm=_NoModel(), lm=_NoModel())
@@ -469,5 +489,27 @@ def main(command: str, config: ExperimentConfig | EvalConfig, out: TextIO, **opt
             f"`mmgrpo train` only, not by `mmgrpo {command}`"
         )
     run = run_eval if command == "eval" else COMMANDS[command]
-    print(json.dumps(run(config, **options), indent=2), file=out)
+    try:
+        result = run(config, **options)
+    except (UserError, KeyboardInterrupt) as err:
+        if command != "eval":
+            _as_cli_keys(err)
+        raise
+    print(json.dumps(result, indent=2), file=out)
     return 0
+
+
+# the trainer names its own keys (`resume=true continues the run`); on these commands they sit
+# under `mmgrpo.`, and a user who types what the message says must be understood
+_TRAINER_KEYS = re.compile(r"(?<![\w.])(resume|run_dir)=")
+
+
+def _as_cli_keys(err: BaseException) -> None:
+    """The trainer's `resume=` and `run_dir=` in an error and its notes, as `mmgrpo.` keys."""
+
+    def keyed(text: Any) -> Any:
+        return _TRAINER_KEYS.sub(r"mmgrpo.\1=", text) if isinstance(text, str) else text
+
+    err.args = tuple(keyed(a) for a in err.args)
+    if hasattr(err, "__notes__"):
+        err.__notes__[:] = [keyed(n) for n in err.__notes__]

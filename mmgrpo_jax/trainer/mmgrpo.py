@@ -415,6 +415,21 @@ class _Learner:
         return sum(fn._cache_size() for fn in (self.step_fn, self.logprob_fn, self.idle_fn))
 
 
+def _check_prompts_unchanged(before: dict[str, Any], after: dict[str, Any], step: int) -> None:
+    """A program whose forward changes its own predictors' prompts (demos, instructions) is
+    refused: its G rollouts run concurrently on one object, so they would see each other's
+    changes, and the prompts trained and saved would not be the ones sampled."""
+    changed = sorted(
+        name for name in before.keys() | after.keys() if before.get(name) != after.get(name)
+    )
+    if changed:
+        raise UserError(
+            f"the program changed its own predictors {changed} (their demos or instructions) "
+            f"while the rollouts of step {step + 1} ran: a forward must leave the program as it "
+            "was (rollouts share it on several threads); keep per-call state in locals"
+        )
+
+
 class MMGRPO:
     """The optimizer; see the module doc."""
 
@@ -541,6 +556,7 @@ class MMGRPO:
             key_prefix=(step,),  # samples keyed by (seed, step, example, rollout, call)
         )
         mine_examples = chosen[mine.start : mine.stop]
+        prompts_before = program.dump_state()
         if rule.rollouts is None:
             trajectories = run_rollouts(program, mine_examples, self.metric, **run)
         else:  # the rule makes its own (branch rollouts)
@@ -548,6 +564,7 @@ class MMGRPO:
                 program, mine_examples, self.metric, settings=settings, **run
             )
         seconds = {"rollout": time.perf_counter() - start}
+        _check_prompts_unchanged(prompts_before, program.dump_state(), step)
         # every process groups and trains on the whole step's trajectories
         trajectories = parallel.gather_lists(trajectories)
         groups = rule.group(trajectories, settings)
@@ -913,14 +930,25 @@ class _Run:
         idle = int(sum(r.get("idle_update", 0.0) for r in self.log.history))
         steps = [r for r in self.log.history if "status_ok" in r]
         if steps and not sum(r["status_ok"] for r in steps):  # the reason, not "idle"
+            unparsed = int(sum(r["status_format_failure"] for r in steps))
+            raised = int(sum(r["status_error"] for r in steps))
+            remedies = [
+                "a reply format the policy can write (bare=True predictors, or BareAdapter for "
+                "a DSPy program) or a stronger policy"
+                if unparsed
+                else "",
+                "the errors mended (the warnings above name each, the program's or the metric's)"
+                if raised
+                else "",
+            ]
             logger.warning(
                 "no rollout of this run succeeded: of %d trajectories, %d failed to parse a "
                 "reply (format failures) and %d raised an error, so every reward was a failure "
-                "score; a reply format the policy can write (bare=True predictors, or "
-                "BareAdapter for a DSPy program) or a stronger policy is needed",
+                "score and nothing was learnt; needed: %s",
                 sum(r["trajectories"] for r in steps),
-                sum(r["status_format_failure"] for r in steps),
-                sum(r["status_error"] for r in steps),
+                unparsed,
+                raised,
+                "; ".join(r for r in remedies if r),
             )
         elif idle and idle == cfg.num_steps and cfg.loss.beta == 0:
             logger.warning(

@@ -142,7 +142,39 @@ def test_train_refuses_a_too_large_step_and_a_used_run_dir_before_loading(
     )
     (tmp_path / "run" / "checkpoints" / "5").mkdir(parents=True)
     assert cli.main(["train", "--config", str(path)]) == 2
-    assert "already holds a run's checkpoints (steps [5])" in one_line_error(capsys)
+    err = one_line_error(capsys)
+    assert "already holds a run's checkpoints (steps [5])" in err
+    # the keys as this command takes them (it said `set resume=true`, a key train refuses)
+    assert f"mmgrpo.run_dir={str(tmp_path / 'run')!r}" in err
+    assert "set mmgrpo.resume=true to continue" in err
+
+
+def test_a_stopped_experiment_names_its_resume_key_as_the_command_takes_it(tmp_path, capsys):
+    """`mmgrpo better-together` under SIGTERM said "resume=true continues the run", which the
+    command refuses (unknown key); its trainer's key is mmgrpo.resume."""
+    from mmgrpo_jax.trainer.interrupt import Interrupted
+
+    def stopped(config, **options):
+        err = Interrupted(signal.SIGTERM)
+        err.add_note(f"the checkpoint of step 12 is in '{tmp_path}'; resume=true continues the run")
+        raise err
+
+    commands = {**experiment.COMMANDS, "better-together": stopped}
+    config = capitals_config(tmp_path)
+    with pytest.raises(Interrupted) as caught, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(experiment, "COMMANDS", commands)
+        experiment.main("better-together", config, sys.stdout)
+    assert caught.value.__notes__ == [
+        f"the checkpoint of step 12 is in '{tmp_path}'; mmgrpo.resume=true continues the run"
+    ]
+
+
+def capitals_config(tmp_path):
+    from models.tiny_checkpoint import write_tiny_checkpoint as write_random
+
+    checkpoint = write_random(tmp_path / "tiny")
+    overrides = [f"mmgrpo.model_path={checkpoint}", "task.name=capitals"]
+    return load_config(experiment.ExperimentConfig, None, overrides)
 
 
 def damage_tokenizer(directory):
@@ -326,3 +358,111 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(argv):
     child.stdout.close()  # the reader is gone before anything is written
     _, err = child.communicate(timeout=120)
     assert child.returncode == 128 + signal.SIGPIPE and err.decode() == ""
+
+
+BT_TASK = """
+from mmgrpo_jax.program import Predict
+from programs import capitals
+from programs.tasks import register_task
+
+register_task(  # a reward the tiny random policy gets half the time: groups with a spread
+    "bt_parity",
+    load=lambda cfg: capitals.load_capitals(cfg.split_seed),
+    build=lambda cfg, lm: (
+        Predict("question -> answer", bare=True), lambda e, p: float(len(p.answer) % 2)
+    ),
+)
+"""
+
+
+@pytest.mark.slow
+def test_better_together_stopped_or_killed_in_its_weight_stage_resumes_to_the_same_run(tmp_path):
+    """SIGTERM (exit 143, the checkpoint written, the note naming `mmgrpo.resume=true`) and
+    kill -9 (exit 137, the last periodic checkpoint) in the weight stage; started again with
+    mmgrpo.resume=true, the prompt stage is redone and the weight stage continues: the same
+    stages' scores, losses and best adapter as a run never stopped. (~6 min)"""
+    from models.tiny_checkpoint import write_tiny_checkpoint as write_random
+
+    (tmp_path / "bt_parity_task.py").write_text(BT_TASK)
+    checkpoint = write_random(tmp_path / "tiny")
+    config = tmp_path / "bt.yaml"
+    config.write_text(json.dumps({
+        "task": {"name": "bt_parity"},
+        "mmgrpo": {
+            "model_path": str(checkpoint), "num_rollouts": 2, "examples_per_step": 2,
+            "num_steps": 8, "eval_every": 100, "checkpoint_every": 4, "progress": False,
+            "sampler": {"max_prompt_tokens": 256, "max_completion_tokens": 4},
+        },
+        "prompt_opt": {"num_candidates": 2, "num_trials": 2, "minibatch_size": 2},
+        "train_limit": 4, "val_limit": 2, "test_limit": 2,
+    }))  # fmt: skip
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(Path(__file__).parents[2]),
+        "MMGRPO_PLUGINS": "bt_parity_task",
+    }
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
+        "--xla_force_host_platform_device_count=8", ""
+    )
+
+    def start(name, *extra):  # stderr to a file: a full pipe would stall the run
+        argv = [sys.executable, "-m", "mmgrpo_jax.cli", "better-together", "--config", str(config)]
+        argv += [f"mmgrpo.run_dir={tmp_path / name}", *extra]
+        with (tmp_path / f"{name}.log").open("a") as log:
+            return subprocess.Popen(argv, cwd=tmp_path, env=env, stderr=log)
+
+    def finished(name, *extra):
+        child = start(name, *extra)
+        assert child.wait(timeout=600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        run = tmp_path / name
+        losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").open()) if "loss" in r]
+        stages = json.loads((run / "summary.json").read_text())["stages"]
+        adapter = (run / "best" / "adapter" / "adapter_model.safetensors").read_bytes()
+        return losses, stages, adapter
+
+    def stop_at(name, step, signum):
+        child, metrics = start(name), tmp_path / name / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while f'"step": {step}.0' not in (metrics.read_text() if metrics.is_file() else ""):
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        child.send_signal(signum)
+        return child.wait(timeout=300), (tmp_path / f"{name}.log").read_text()
+
+    clean = finished("clean")
+    code, err = stop_at("stopped", 5, signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM
+    assert err.strip().splitlines()[-1].endswith("; mmgrpo.resume=true continues the run")
+    assert finished("stopped", "mmgrpo.resume=true") == clean
+    code, _ = stop_at("killed", 6, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    assert finished("killed", "mmgrpo.resume=true") == clean
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '{"other": {"instructions": "x", "demos": []}}',
+            "missing ['capital', 'country'], unknown",
+        ),
+        ("{broken", "Expecting property name enclosed in double quotes"),
+    ],
+    ids=["another_programs", "not_json"],
+)
+def test_a_prompt_state_that_cannot_load_is_one_line_before_the_model(
+    tmp_path, capsys, no_model, text, message
+):
+    """Both were tracebacks (exit 1) after the model had loaded."""
+    from models.tiny_checkpoint import write_tiny_checkpoint as write_random
+
+    state = tmp_path / "prompt_state.json"
+    state.write_text(text)
+    checkpoint = write_random(tmp_path / "tiny")
+    argv = ["train", "task.name=capitals", f"mmgrpo.model_path={checkpoint}"]
+    argv += [f"mmgrpo.run_dir={tmp_path / 'run'}", f"prompt_state={state}"]
+    assert cli.main(argv) == 2
+    err = one_line_error(capsys)
+    assert f"ExperimentConfig.prompt_state={str(state)!r} cannot be loaded into the program" in err
+    assert message in err

@@ -867,3 +867,36 @@ def test_truncated_replies_are_not_warned_about_in_rollouts_only(caplog):
     with dspy.context(lm=PolicyLM(cut)):
         dspy.Predict("question -> keyword")(question="q")
     assert "LM response was truncated" in caplog.text
+
+
+def test_a_dspy_program_that_mutates_itself_in_forward_is_refused(tmp_path):
+    """Demos appended in forward ran up to 14 on the program passed in over two steps, each
+    rollout seeing the others'; now the first step's rollouts are the last."""
+    from mmgrpo_jax.trainer.mmgrpo import MMGRPO
+    from models.tokenizer import train_bpe_tokenizer
+    from tests.trainer.conftest import CORPUS
+    from tests.trainer.test_mmgrpo import TRAIN, config, new_model, reward
+
+    class SelfTeaching(dspy.Module):
+        def __init__(self):
+            super().__init__()
+            self.draft = dspy.Predict("question -> answer")
+
+        def forward(self, question):
+            self.draft.demos.append(dspy.Example(question=question, answer="x"))
+            return self.draft(question=question)
+
+    tokenizer = train_bpe_tokenizer(CORPUS, 300, "chatml")
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    cfg = config(tmp_path, eval_every=100)
+    trainer = MMGRPO(
+        reward, cfg, model=new_model(tokenizer), tokenizer=tokenizer, stop_token_ids=stop
+    )
+    data = [
+        dspy.Example(question=e.question, answer=e.answer).with_inputs("question") for e in TRAIN
+    ]
+    with (
+        dspy.context(adapter=BareAdapter()),
+        pytest.raises(UserError, match=r"changed its own predictors \['draft'\]"),
+    ):
+        trainer.compile(SelfTeaching(), data, ())

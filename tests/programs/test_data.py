@@ -43,6 +43,10 @@ def test_the_hub_is_the_default_and_a_local_folder_overrides_it(
     monkeypatch.setenv(data.ENV_VAR, str(tmp_path / "gone"))
     with pytest.raises(data.DataUnavailable, match=r"\$MMGRPO_DATA_DIR='.*gone' is not a dir"):
         data.resolve_data_dir()
+    monkeypatch.setenv(data.ENV_VAR, "")  # `MMGRPO_DATA_DIR= mmgrpo ...`: unset
+    assert data.resolve_data_dir() == data.HUB
+    with pytest.raises(data.DataUnavailable, match=r"task\.data_dir='' is empty"):
+        data.resolve_data_dir("")  # Path("") is the working directory: refused, not read
 
 
 def test_banking77_from_the_hub_names_its_integer_labels(no_local_data, monkeypatch):

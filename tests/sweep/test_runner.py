@@ -500,3 +500,65 @@ def test_baseline_from_is_refused_when_it_cannot_be_a_fair_baseline(tmp_path):
         load_sweep(itself)
     # the command line's baseline replaces the file's baseline_from
     assert load_sweep(chained, baseline="lr=0.003").baseline_from is None
+
+
+@pytest.mark.slow  # two sweeps of real processes, one killed (~40 s)
+def test_a_baseline_from_sweep_killed_mid_run_ends_with_the_table_of_an_uninterrupted_one(
+    tmp_path, fake_runs
+):
+    """kill -9 of a sweep whose baseline row comes from another sweep, mid-way through its own
+    runs; started again it resumes the killed run and writes the uninterrupted sweep's table,
+    the baseline row (read from the other sweep, never run here) once."""
+    owner = _sweep_file(tmp_path / "owner.yaml", out=str(tmp_path / "owner"), grid={"lr": [0.002]})
+    run_sweep(load_sweep(owner), progress=False)
+    reference = {"sweep": str(owner), "cell": {"lr": 0.002}, "label": "shared"}
+    grid = {"lr": [0.001, 0.004]}
+    files = {
+        name: _sweep_file(
+            tmp_path / f"{name}.yaml",
+            out=str(tmp_path / name),
+            grid=grid,
+            overrides=["num_steps=8"],
+            baseline_from=reference,
+        )
+        for name in ("clean", "killed")
+    }
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FAKE_STEP_SECONDS": "0.3"}
+
+    def sweep(name):
+        command = [sys.executable, str(REPO / "tests" / "sweep" / "fake_sweep.py"), "sweep"]
+        return subprocess.Popen(
+            [*command, "--sweep", str(files[name])], env=env, stderr=subprocess.PIPE, text=True
+        )
+
+    clean, killed = sweep("clean"), sweep("killed")
+    checkpoint = tmp_path / "killed" / "runs" / "lr-0.004" / "seed1" / "ckpt.json"
+    deadline = time.monotonic() + 120
+    while not checkpoint.is_file() or json.loads(checkpoint.read_text())["step"] < 3:
+        assert time.monotonic() < deadline and killed.poll() is None
+        time.sleep(0.05)
+    killed.kill()
+    killed.wait()
+    deadline = time.monotonic() + 30
+    while True:  # the orphaned run gets SIGTERM from the kernel and exits
+        try:
+            with RunLock(checkpoint.parent):
+                break
+        except UserError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    again = sweep("killed")
+    for process in (again, clean):
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err
+    for name in ("table.csv", "runs.csv"):
+        done = _without_wall_time((tmp_path / "killed" / name).read_text())
+        assert done == _without_wall_time((tmp_path / "clean" / name).read_text())
+    table = list(csv.DictReader((tmp_path / "killed" / "table.csv").open()))
+    assert [(r["lr"], r["runs"]) for r in table] == [
+        ("shared", "3"),
+        ("0.001", "3"),
+        ("0.004", "3"),
+    ]
+    assert not (tmp_path / "killed" / "runs" / "lr-shared").exists()
+    assert (checkpoint.parent / runner.LOG).read_text().count("=== ") == 2  # resumed

@@ -321,7 +321,56 @@ def test_a_run_whose_every_rollout_failed_to_parse_says_so_not_idle(tokenizer, t
     ]
     assert [r["status_format_failure"] for r in steps] == [6.0, 6.0]  # 2 inputs x 3 rollouts
     assert "no rollout of this run succeeded: of 12 trajectories, 12 failed to parse" in caplog.text
+    assert "needed: a reply format the policy can write" in caplog.text
     assert "were idle" not in caplog.text
+
+
+class Raising(Module):
+    def __init__(self):
+        self.answer = Predict("question -> answer", bare=True)
+
+    def forward(self, question):
+        self.answer(question=question)
+        raise RuntimeError("a tool is down")
+
+
+class SelfTeaching(Module):
+    """Adds a demo to its own predictor in every forward (a program mutating itself)."""
+
+    def __init__(self):
+        self.answer = Predict("question -> answer", bare=True)
+
+    def forward(self, question):
+        self.answer.demos = [*self.answer.demos, {"question": question, "answer": "x"}]
+        return self.answer(question=question)
+
+
+def test_a_run_whose_every_rollout_raised_names_errors_not_formats(tokenizer, tmp_path, caplog):
+    cfg = config(tmp_path, num_steps=1, eval_every=100)
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    model = new_model(tokenizer)
+    MMGRPO(reward, cfg, model=model, tokenizer=tokenizer, stop_token_ids=stop).compile(
+        Raising(), TRAIN, ()
+    )
+    assert "0 failed to parse a reply (format failures) and 6 raised an error" in caplog.text
+    assert "needed: the errors mended (the warnings above name each" in caplog.text
+    assert "reply format" not in caplog.text
+
+
+def test_a_program_that_changes_its_own_prompts_in_forward_is_refused(tokenizer, tmp_path):
+    """Its G rollouts share one object on several threads: each saw the others' demos, and
+    the prompts saved would not be the ones sampled. Refused after the first step's rollouts,
+    before any update."""
+    cfg = config(tmp_path, eval_every=100)
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    trainer = MMGRPO(
+        reward, cfg, model=new_model(tokenizer), tokenizer=tokenizer, stop_token_ids=stop
+    )
+    message = r"changed its own predictors \['answer'\] .* while the rollouts of step 1 ran"
+    with pytest.raises(UserError, match=message):
+        trainer.compile(SelfTeaching(), TRAIN, ())
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert not [r for r in rows if '"loss"' in r]  # no update was made
 
 
 def test_steps_whose_gradient_is_zero_run_no_pass_and_equal_the_full_step(
