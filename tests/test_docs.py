@@ -81,3 +81,38 @@ def test_the_grouping_picture_draws(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert out.stat().st_size > 10_000
+
+
+def _names(code: str) -> tuple[set[str], set[str]]:
+    """(names the block binds: assigned, imported, defined; names it reads that it does not bind
+    and that are not builtins)."""
+    import ast
+    import builtins
+
+    bound, read = set(), set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return bound, read - bound - set(dir(builtins))
+
+
+def test_the_quickstart_page_continues_the_readmes_quickstart():
+    """The README's training block and docs/quickstart.md's bind the same names, so the page's
+    evaluation block reads only names either one defines (they had drifted: `config` against
+    `config_quick`, `trained` against `program`)."""
+    from mktestdocs import grab_code_blocks
+
+    readme, _ = _names(grab_code_blocks((REPO / "README.md").read_text())[0])
+    train_block, evaluate_block = grab_code_blocks((DOCS / "quickstart.md").read_text())[:2]
+    train, _ = _names(train_block)
+    _, needed = _names(evaluate_block)
+    assert {"program", "data", "metric"} <= needed
+    assert needed <= train, needed - train
+    assert needed <= readme, needed - readme
+    assert {"data", "metric", "config", "trainer", "program"} <= readme & train
