@@ -52,6 +52,7 @@ def steps(run_dir) -> list[dict]:
     return [r for r in rows if "loss" in r]
 
 
+@pytest.mark.slow  # two training processes end to end (~75 s); make test keeps the death test
 def test_two_processes_train_like_one(tmp_path):
     """6 steps of 1 process x 8 devices against 2 x 4: the same rewards at every step (the same
     samples: per-request keys) and losses within 1e-4."""
