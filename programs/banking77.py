@@ -17,9 +17,9 @@ from mmgrpo_jax.program import ChainOfThought, Example, Module, Prediction
 from mmgrpo_jax.program.signature import Field, Signature
 from programs.data import (
     HUB,
-    DataUnavailable,
     Splits,
     load_hub,
+    missing_file,
     read_hub,
     read_jsonl,
     resolve_data_dir,
@@ -35,10 +35,7 @@ def label_names(data_dir: str | Path | None = None) -> list[str]:
         return list(load_hub(HUB_NAME, "test").features["label"].names)
     path = Path(root) / "banking77" / "hf_label_names.json"
     if not path.is_file():
-        raise DataUnavailable(
-            f"Banking77 label names {str(path)!r} do not exist: task.data_dir must be a folder "
-            "laid out as docs/tasks.md says, or unset to read the Hugging Face hub"
-        )
+        raise missing_file(path, "the Banking77 label names")
     return list(json.loads(path.read_text()))
 
 

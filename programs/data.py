@@ -68,14 +68,19 @@ def resolve_data_dir(data_dir: str | Path | None = None) -> Path | str:
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Rows of a local JSON Lines file, through `datasets` like the hub path."""
     if not path.is_file():
-        raise DataUnavailable(
-            f"dataset file {str(path)!r} does not exist: task.data_dir (or ${ENV_VAR}) must be a "
-            f"folder laid out as {LAYOUT_DOC} says, or unset to read the Hugging Face hub"
-        )
+        raise missing_file(path, "dataset file")
     import datasets
 
     datasets.disable_progress_bars()  # small local files: a bar per file is noise
     return datasets.load_dataset("json", data_files=str(path), split="train").to_list()
+
+
+def missing_file(path: Path, what: str) -> DataUnavailable:
+    """The error for a file a local copy lacks, saying how the folder should look."""
+    return DataUnavailable(
+        f"{what} {str(path)!r} does not exist: task.data_dir (or ${ENV_VAR}) must be a folder "
+        f"laid out as {LAYOUT_DOC} says, or unset to read the Hugging Face hub"
+    )
 
 
 def load_hub(name: str, split: str, config: str | None = None) -> Any:
