@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from mmgrpo_jax.config_files import build_config, config_tree
-from mmgrpo_jax.rl.batch import Row, pack_rows
+from mmgrpo_jax.rl.batch import PackShape, Row, pack_rows
 from mmgrpo_jax.rl.step import make_train_step, split_for_training
 from mmgrpo_jax.sampling import generate, request_slots
 from mmgrpo_jax.trainer.config import MMGRPOConfig
@@ -119,10 +119,11 @@ def time_train_step(cfg: MMGRPOConfig, sizes: Sizes, model: Decoder) -> dict[str
     step = make_train_step(
         graphdef, optimizer, cfg.resolved_loss, cfg.sampler.temperature, cfg.memory.logits_chunk
     )
+    sequences = cfg.optim.micro_batch_size
     batch = pack_rows(
         train_rows(cfg, sizes, model.config.vocab_size),
-        cfg.optim.micro_batch_size,
-        cfg.memory.pack_length,
+        sequences,
+        PackShape(sequences, cfg.memory.pack_length),
     )
     start = time.perf_counter()
     state, metrics = step(state, frozen, batch)

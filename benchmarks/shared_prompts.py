@@ -1,5 +1,7 @@
-"""One LoRA GRPO update on real weights in three row layouts: padded (the default), packed, and
-packed with shared prompts (`memory.share_prompts`), timed interleaved in one run.
+"""One LoRA GRPO update on real weights in four row layouts: padded (`memory.pack false`),
+packed apart (`share_prompts false`), a prefix tree in the sequences of the old hand-set
+`pack_length`, and the default (the prefix tree in the shape `pack_shape` chooses from the rows),
+each timed interleaved against padded in one run.
 
 The rows are one capitals step (update_profile.py's: 16 rollouts x 2 modules, real prompts,
 random 12-token replies). A module-level group's calls of the country module share their prompt
@@ -21,7 +23,7 @@ import numpy as np
 from sampler import interleaved  # benchmarks/ is this script's sys.path[0]
 from update_profile import rows_of_one_step
 
-from mmgrpo_jax.rl.batch import Batch, pack_rows
+from mmgrpo_jax.rl.batch import Batch, PackShape, pack_rows, pack_shape
 from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.rl.step import make_train_step, split_for_training
 from mmgrpo_jax.trainer.config import OptimConfig
@@ -45,7 +47,8 @@ def distinct_capitals(rows: list, tokenizer) -> list:
 def describe(name: str, batch: Batch) -> str:
     positions = int(np.prod(batch.tokens.shape))
     real = int(np.asarray(batch.valid).sum())
-    return f"{name:>14}: {positions:5d} positions, {real:5d} real tokens"
+    shape = "x".join(map(str, batch.tokens.shape))
+    return f"{name:>14}: {shape:>10} = {positions:5d} positions, {real:5d} real tokens"
 
 
 def main() -> None:
@@ -62,10 +65,15 @@ def main() -> None:
     rows = rows_of_one_step(tokenizer, np.random.default_rng(0))
     if args.distinct_capitals:
         rows = distinct_capitals(rows, tokenizer)
+    hand = PackShape(args.sequences, args.pack_length)
+    auto = pack_shape(rows, args.micro_batch)
     batches = {
         "padded": pack_rows(rows, args.micro_batch),
-        "packed": pack_rows(rows, args.sequences, args.pack_length),
-        "shared prompts": pack_rows(rows, args.sequences, args.pack_length, share_prompts=True),
+        "packed apart": pack_rows(
+            rows, args.micro_batch, pack_shape(rows, args.micro_batch, 0, False)
+        ),
+        "tree, hand": pack_rows(rows, args.sequences, hand, share_prompts=True),
+        "tree, default": pack_rows(rows, args.micro_batch, auto, share_prompts=True),
     }
     optimizer = OptimConfig(lr=5e-4).build(10)
     graphdef, state, frozen = split_for_training(model, optimizer)
@@ -83,7 +91,7 @@ def main() -> None:
     for name, batch in batches.items():
         print(f"{describe(name, batch)}, loss {losses[name]:+.6f}")
     padded = runner(batches["padded"])
-    for name in ("packed", "shared prompts"):
+    for name in ("packed apart", "tree, hand", "tree, default"):
         base, other = interleaved(padded, runner(batches[name]), args.repeats)
         ratio = np.median(base) / np.median(other)
         paired = np.asarray(base) / np.asarray(other)

@@ -57,28 +57,30 @@ class AttentionConfig:
 @flax.struct.dataclass
 class AttentionMask:
     """Query t (sitting at cache slot `q_slots[b, t]`) sees slot s iff s <= its slot, slot s
-    holds a real token, and (packed rows) slot s's segment is the query's own or (shared
-    prompts) the query's parent segment, its prompt's."""
+    holds a real token, (packed rows) slot s's segment is the query's own, and (a packed prefix
+    tree) the query's slot is before `kv_reach[b, s]`.
+
+    A prefix tree is laid out depth first, so the tokens below a token (every row that shares
+    it) are the contiguous slots after it, up to its reach: "the query lies in slot s's
+    subtree" is `s <= slot < reach[s]`, one comparison, for a tree of any depth."""
 
     q_slots: jax.Array  # [B, T] int32; -1 = a query that sees nothing
     kv_valid: jax.Array  # [B, S] bool
     q_segments: jax.Array | None = None  # [B, T] int32
     kv_segments: jax.Array | None = None  # [B, S] int32
-    q_parents: jax.Array | None = None  # [B, T] int32, with segments only
+    kv_reach: jax.Array | None = None  # [B, S] int32: the slot after slot s's subtree
 
     @classmethod
     def causal(
         cls,
         valid: jax.Array,
         segments: jax.Array | None = None,
-        parents: jax.Array | None = None,
+        reach: jax.Array | None = None,
     ) -> AttentionMask:
         """Self-attention over one sequence per row (training, log-probs): query t is slot t."""
-        if parents is not None and segments is None:
-            raise ValueError("an attention mask with parent segments needs segments too")
         b, t = valid.shape
         slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        return cls(slots, valid.astype(bool), segments, segments, parents)
+        return cls(slots, valid.astype(bool), segments, segments, reach)
 
     def allowed(self, q_start, q_len: int, kv_start, kv_len: int) -> jax.Array:
         """[B, q_len, kv_len] bool for a block of queries and a block of slots."""
@@ -89,11 +91,10 @@ class AttentionMask:
         if self.q_segments is not None:
             q_seg = jax.lax.dynamic_slice_in_dim(self.q_segments, q_start, q_len, 1)
             kv_seg = jax.lax.dynamic_slice_in_dim(self.kv_segments, kv_start, kv_len, 1)
-            same = q_seg[:, :, None] == kv_seg[:, None, :]
-            if self.q_parents is not None:
-                q_parent = jax.lax.dynamic_slice_in_dim(self.q_parents, q_start, q_len, 1)
-                same |= q_parent[:, :, None] == kv_seg[:, None, :]
-            ok &= same
+            ok &= q_seg[:, :, None] == kv_seg[:, None, :]
+        if self.kv_reach is not None:
+            reach = jax.lax.dynamic_slice_in_dim(self.kv_reach, kv_start, kv_len, 1)
+            ok &= slots[:, :, None] < reach[:, None, :]
         return ok
 
     def dense(self) -> jax.Array:
@@ -113,7 +114,7 @@ class AttentionMask:
             pad(self.kv_valid, ds, False),
             pad(self.q_segments, dq, -1) if seg else None,
             pad(self.kv_segments, ds, -2) if seg else None,
-            None if self.q_parents is None else pad(self.q_parents, dq, -1),
+            None if self.kv_reach is None else pad(self.kv_reach, ds, -1),
         )
 
 
@@ -152,10 +153,10 @@ def pallas_attention(
         raise ValueError(
             f"pallas attention is self-attention: {t} queries but {keys.shape[-1]} keys"
         )
-    if mask.q_parents is not None:
+    if mask.kv_reach is not None:
         raise ValueError(
-            "the Pallas attention kernel takes segment ids only, not shared prompts' parent "
-            "segments; with memory.share_prompts use memory.attention 'dense' or 'blockwise'"
+            "the Pallas attention kernel takes segment ids only, not a packed prefix tree's "
+            "reach; with memory.share_prompts use memory.attention 'dense' or 'blockwise'"
         )
     segments = mask.q_segments
     if segments is None:  # right-padded rows: padding is a segment of its own

@@ -277,13 +277,13 @@ class Decoder(nnx.Module):
         segment_ids: jax.Array | None = None,  # [B, T] packed rows: attention stays within one
         use_lora: UseLoRA = True,
         rngs: nnx.Rngs | None = None,
-        parent_ids: jax.Array | None = None,  # [B, T] shared prompts: a segment also seen
+        reach: jax.Array | None = None,  # [B, T] a packed prefix tree (AttentionMask.kv_reach)
     ) -> jax.Array:  # [B, T, D] after the final norm
         b, t = input_ids.shape
         valid = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
         if positions is None:
             positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0)
-        mask = AttentionMask.causal(valid, segment_ids, parent_ids)
+        mask = AttentionMask.causal(valid, segment_ids, reach)
         hidden, _ = self.hidden_states(input_ids, positions, mask, use_lora=use_lora, rngs=rngs)
         return hidden
 

@@ -7,8 +7,11 @@ a plain `nnx.Param`, so `nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))` selects bas
 
 Several adapters (per-module LoRA, `LoRAConfig.modules`) are stacked on a leading adapter axis,
 A [n, in, r] and B [n, r, out], so that one pass serves a batch whose rows use different
-adapters: `use_lora` is then an int array [B] of adapter ids, row b adding x_b A[id_b] B[id_b].
-With one adapter the factors keep their unstacked shapes and arithmetic (`use_lora=True`).
+adapters: `use_lora` is then an int array [B] of adapter ids, row b adding x_b A[id_b] B[id_b],
+or [B, T] of one id per token (packed rows of several modules share a sequence): every token
+runs through all n adapters' A, the rows of the ones it does not use zeroed, then one
+contraction over (adapter, rank) against the stacked B, a rank n*r update. With one adapter
+the factors keep their unstacked shapes and arithmetic (`use_lora=True`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 DEFAULT_ADAPTER = "default"
 
 # True: the adapter (of a model with one); False: the base model; an int array [B]: row b's
-# adapter id in a model with several
+# adapter id in a model with several ([B, T]: token t's)
 UseLoRA = bool | jax.Array
 
 
@@ -177,6 +180,10 @@ class Linear(nnx.Module):
                 f"this layer has {self.lora.num_adapters} adapters "
                 f"{list(self.lora.adapter_names)}: pass use_lora as adapter ids, one per row"
             )
+        if use_lora.ndim == 2:  # one adapter id per token [B, T]: x is [B, T, in]
+            chosen = jax.nn.one_hot(use_lora, self.lora.num_adapters, dtype=h.dtype)
+            low = jnp.einsum("bti,nir->btnr", h, self.lora_a[...]) * chosen[..., None]
+            return y + jnp.einsum("btnr,nro->bto", low, self.lora_b[...]) * scaling
         a = jnp.take(self.lora_a[...], use_lora, axis=0)  # [B, in, r]
         b = jnp.take(self.lora_b[...], use_lora, axis=0)  # [B, r, out]
         low = jnp.einsum("b...i,bir->b...r", h, a)

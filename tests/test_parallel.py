@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mmgrpo_jax import parallel
-from mmgrpo_jax.rl.batch import Row, pack_rows
+from mmgrpo_jax.rl.batch import PackShape, Row, pack_rows
 from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.testing import tiny_decoder
 from mmgrpo_jax.trainer.config import (
@@ -137,7 +137,7 @@ def test_the_mesh_follows_the_config():
 def test_a_batch_splits_its_rows_over_data_and_fsdp():
     rows = [Row((1, 2, 3), (4, 5), advantage=1.0, unit=k) for k in range(3)]
     mesh = parallel.run_mesh(ParallelConfig(data=2, fsdp=2, tensor=2))
-    packed = pack_rows(rows, micro_batch_size=4, pack_length=16, row_multiple=4)
+    packed = pack_rows(rows, micro_batch_size=4, pack=PackShape(4, 16), row_multiple=4)
     assert packed.advantages.shape[1] % 4 == 0
     placed = parallel.place_batch(packed, mesh)
     assert placed.tokens.sharding.spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"))

@@ -151,19 +151,25 @@ class Batch:
     target_tokens: jax.Array | None = None  # [M, S, C] the completion token it predicts
     target_slot: jax.Array | None = None  # [M, S, C] its index in [L-1]; L-1 = padding (dropped)
     target_row: jax.Array | None = None  # [M, P, C] packed: its row in [b]; None: row = sequence
-    # Packed rows (`pack_rows(pack_length=...)`): tokens and valid are then [M, P, Lp], P
-    # sequences of Lp tokens each holding several rows, and the per-row fields above keep their
+    # Packed rows (`pack_rows(pack=...)`): tokens and valid are then [M, P, Lp], P sequences
+    # of Lp tokens each holding several rows, and the per-row fields above keep their
     # [M, b, L-1] layout.
-    positions: jax.Array | None = None  # [M, P, Lp] restarting at 0 in every row
-    segments: jax.Array | None = None  # [M, P, Lp] which row of the sequence; -1 = padding
-    # shared prompts (`share_prompts`): the segment a token also sees, its family's prompt
-    parents: jax.Array | None = None  # [M, P, Lp]
+    positions: jax.Array | None = None  # [M, P, Lp] a token's index in its own row
+    segments: jax.Array | None = None  # [M, P, Lp] rows packed apart: which row; -1 = padding
+    # a prefix tree (`share_prompts`): the slot after each token's subtree, the rows sharing it
+    # (AttentionMask.kv_reach); -1 = padding
+    reach: jax.Array | None = None  # [M, P, Lp]
     # per-module adapters: each row's adapter id (padding rows 0); None with one adapter
     adapter_ids: jax.Array | None = None  # [M, b]
+    # per-module adapters, packed: each token's adapter id (padding 0)
+    token_adapters: jax.Array | None = None  # [M, P, Lp]
 
     @property
     def use_lora(self) -> jax.Array | bool:
-        """What the model's `use_lora` takes for these rows: their adapter ids, or True."""
+        """What the model's `use_lora` takes for these rows: their tokens' or rows' adapter
+        ids, or True with one adapter."""
+        if self.token_adapters is not None:
+            return self.token_adapters
         return True if self.adapter_ids is None else self.adapter_ids
 
     @property
@@ -210,143 +216,228 @@ def micro_batch_layout(rows: Sequence[Row], micro_batch_size: int) -> list[list[
     return chunks
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Placement:
-    """Where a packed row sits in its micro-batch: its sequence, where its prompt starts, and
-    where its completion starts (right after the prompt, or elsewhere in the sequence when the
-    prompt is shared with an earlier row of the same prompt and adapter)."""
+    """Where a packed row's tokens sit in its micro-batch: its sequence, and the slot of each
+    of its tokens, prompt then completion. A row packed apart holds contiguous slots; in a
+    prefix tree its first slots are those of the earlier row it shares them with."""
 
     sequence: int
-    prompt_at: int
-    completion_at: int
+    slots: np.ndarray  # [prompt + completion] int
+
+
+@dataclasses.dataclass(frozen=True)
+class PackShape:
+    """A packed micro-batch: `sequences` sequences of `length` tokens."""
+
+    sequences: int
+    length: int
+
+
+def pack_shape(
+    rows: Sequence[Row],
+    micro_batch_size: int,
+    cap: int = 0,
+    share_prompts: bool = True,
+    row_multiple: int = 1,
+) -> PackShape:
+    """The packed micro-batch a step's rows get, chosen from the rows.
+
+    It holds no more token slots than the padded micro-batch would (`micro_batch_size` rows of
+    the longest row's bucket), so packing never needs more memory than padding. With
+    `share_prompts` its sequences are long enough for the largest tree one prompt grows (a
+    group's G calls of a module on one input: the prompt once, then each completion), so that
+    prompt is computed once; `cap` > 0 bounds a sequence's length (it must hold the longest
+    row). Lengths are `row_length_bucket`s, so a run compiles few shapes.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if not rows:
+        raise ValueError("no rows to pack")
+    longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+    if cap and cap < longest:
+        raise ValueError(
+            f"a training row of {longest} tokens does not fit memory.pack_length={cap}; raise "
+            "it to at least sampler.max_prompt_tokens + max_completion_tokens, or set 0 (no cap)"
+        )
+    padded = row_length_bucket(longest)
+    budget = micro_batch_size * padded
+    want = padded
+    if share_prompts:
+        trees: dict[tuple[int, tuple[int, ...]], int] = {}
+        for r in rows:
+            key = (r.adapter, r.prompt_ids)
+            trees[key] = trees.get(key, len(r.prompt_ids)) + len(r.completion_ids)
+        want = max(want, row_length_bucket(max(trees.values())))
+    length = min(want, budget, cap or budget)
+    length = max(length, longest)
+    sequences = max(budget // length // row_multiple, 1) * row_multiple
+    return PackShape(sequences, length)
 
 
 def batch_layout(
     rows: Sequence[Row],
     micro_batch_size: int,
-    pack_length: int | None = None,
+    pack: PackShape | None = None,
     share_prompts: bool = False,
+    keep_micro_batches: bool = False,
 ) -> tuple[list[list[int]], list[list[Placement]] | None]:
     """`pack_rows`'s layout: row k of micro-batch m is `rows[layout[m][k]]` in every per-row
-    field (packed or not), and with `pack_length` each row's placement."""
-    if pack_length is None:
+    field (packed or not), and with `pack` each row's placement."""
+    if pack is None:
         if share_prompts:
-            raise ValueError("share_prompts needs packed rows (memory.pack_length > 0)")
+            raise ValueError("share_prompts needs packed rows (memory.pack true)")
         return micro_batch_layout(rows, micro_batch_size), None
-    return pack_layout(rows, micro_batch_size, pack_length, share_prompts)
+    given = micro_batch_layout(rows, micro_batch_size) if keep_micro_batches else None
+    return pack_layout(rows, pack.sequences, pack.length, share_prompts, given)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+def _place(
+    rows: Sequence[Row],
+    tokens: Sequence[np.ndarray],
+    members: Sequence[int],
+    sequences: int,
+    pack_length: int,
+    share_prompts: bool,
+) -> list[Placement] | None:
+    """Placements of rows `members` in `sequences` sequences of `pack_length` tokens, or None
+    when they do not fit.
+
+    Apart: each row first-fit into a sequence with room for all of it. Shared: the rows in
+    lexicographic order of (adapter, tokens), each laid after the last with only the tokens
+    past their common prefix, which it reuses; that builds each sequence's prefix tree (a trie
+    of the rows' tokens) depth first, so every token's subtree is the slots after it up to its
+    reach (`_packed_sequences`). A row that does not fit what is left opens the next sequence.
+    """
+    spots: dict[int, Placement] = {}
+    if not share_prompts:
+        fill = [0] * sequences
+        for k in members:
+            n = len(tokens[k])
+            seq = next((i for i, used in enumerate(fill) if used + n <= pack_length), None)
+            if seq is None:
+                return None
+            spots[k] = Placement(seq, fill[seq] + np.arange(n))
+            fill[seq] += n
+        return [spots[k] for k in members]
+    order = sorted(members, key=lambda k: (rows[k].adapter, tuple(tokens[k])))
+    seq, fill, last = 0, 0, None
+    for k in order:
+        shared = 0
+        if last is not None and rows[last].adapter == rows[k].adapter:
+            shared = _common_prefix(tokens[last], tokens[k])
+        new = len(tokens[k]) - shared
+        if fill + new > pack_length:
+            seq, fill, shared, new = seq + 1, 0, 0, len(tokens[k])
+            if seq == sequences:
+                return None
+        reused = spots[last].slots[:shared] if shared else np.zeros(0, np.int64)
+        spots[k] = Placement(seq, np.concatenate([reused, fill + np.arange(new)]))
+        fill += new
+        last = k
+    return [spots[k] for k in members]
 
 
 def pack_layout(
-    rows: Sequence[Row], sequences: int, pack_length: int, share_prompts: bool = False
+    rows: Sequence[Row],
+    sequences: int,
+    pack_length: int,
+    share_prompts: bool = False,
+    micro_batches: Sequence[Sequence[int]] | None = None,
 ) -> tuple[list[list[int]], list[list[Placement]]]:
     """Row indices of each micro-batch, and each row's placement inside it.
 
-    Rows go unit by unit, each into the first of the micro-batch's `sequences` sequences with
-    room for it; a micro-batch is closed before a unit that does not fit in what is left, so a
-    unit never spans two. With `share_prompts`, units go in order of their first row's prompt
-    (and adapter), and a row whose prompt an earlier row of the micro-batch already placed adds
-    only its completion to that row's sequence when it has room: a group's G calls of one
-    module on one input then pay for their prompt once. A
-    row longer than `pack_length`, or a unit that fits no empty micro-batch, is an error naming
-    the setting.
+    Units go in order (with `share_prompts`, in order of their first row's adapter and
+    prompt, so prompts that share a prefix meet), and a micro-batch takes units while its
+    rows still fit its `sequences` sequences (`_place`); a unit never spans two. Given
+    `micro_batches` (the padded layout's rows, which bnpo's per-micro-batch mean needs), each
+    is packed as it is. A row longer than `pack_length`, or a unit that fits no empty
+    micro-batch, is an error naming the setting.
     """
     if sequences < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {sequences}")
     if not rows:
         raise ValueError("no rows to pack")
-    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rows]
-    too_long = [n for n in lengths if n > pack_length]
+    tokens = [np.asarray(r.prompt_ids + r.completion_ids) for r in rows]
+    too_long = [len(t) for t in tokens if len(t) > pack_length]
     if too_long:
         raise ValueError(
             f"a training row of {max(too_long)} tokens does not fit memory.pack_length="
             f"{pack_length}; raise it to at least sampler.max_prompt_tokens + "
             "max_completion_tokens"
         )
-    layout: list[list[int]] = [[]]
-    placements: list[list[Placement]] = [[]]
-    fill = [0] * sequences
-    prompts: dict[tuple[int, tuple[int, ...]], Placement] = {}  # the micro-batch's, by key
 
-    def place(members: list[int]) -> list[Placement] | None:
-        trial, shared, spots = list(fill), dict(prompts), []
-        for k in members:
-            key = (rows[k].adapter, rows[k].prompt_ids)
-            first = shared.get(key) if share_prompts else None
-            completion = len(rows[k].completion_ids)
-            if first is not None and trial[first.sequence] + completion <= pack_length:
-                seq = first.sequence
-                spots.append(Placement(seq, first.prompt_at, trial[seq]))
-                trial[seq] += completion
-                continue
-            room = (i for i, used in enumerate(trial) if used + lengths[k] <= pack_length)
-            seq = next(room, None)
-            if seq is None:
-                return None
-            prompt = len(rows[k].prompt_ids)
-            spots.append(Placement(seq, trial[seq], trial[seq] + prompt))
-            shared.setdefault(key, spots[-1])
-            trial[seq] += lengths[k]
-        fill[:] = trial
-        prompts.clear()
-        prompts.update(shared)
-        return spots
+    def place(members: Sequence[int]) -> list[Placement] | None:
+        return _place(rows, tokens, members, sequences, pack_length, share_prompts)
 
+    if micro_batches is not None:
+        placed = [place(chunk) for chunk in micro_batches]
+        if any(spots is None for spots in placed):
+            raise ValueError(
+                f"a micro-batch of rows does not fit {sequences} sequences of "
+                f"memory.pack_length={pack_length}"
+            )
+        return [list(chunk) for chunk in micro_batches], placed  # type: ignore[misc]
     units = _units(rows)
-    if share_prompts:  # a prompt's rows side by side (stable), so they land in one sequence
-        first: dict[tuple[int, tuple[int, ...]], int] = {}
-        for members in units:
-            first.setdefault((rows[members[0]].adapter, rows[members[0]].prompt_ids), len(first))
-        units.sort(key=lambda m: first[(rows[m[0]].adapter, rows[m[0]].prompt_ids)])
+    if share_prompts:
+        units.sort(key=lambda m: (rows[m[0]].adapter, rows[m[0]].prompt_ids))
+    layout: list[list[int]] = []
+    placements: list[list[Placement]] = []
+    current: list[int] = []
+    current_spots: list[Placement] = []
     for members in units:
-        spots = place(members)
+        trial = current + members
+        spots = place(trial)
         if spots is None:
-            fill[:] = [0] * sequences
-            prompts.clear()
-            spots = place(members)
+            if current:
+                layout.append(current)
+                placements.append(current_spots)
+            trial, spots = list(members), place(members)
             if spots is None:
                 raise ValueError(
                     f"loss unit {rows[members[0]].unit} (a trajectory or an example) of "
-                    f"{len(members)} rows, "
-                    f"{sum(lengths[k] for k in members)} tokens, does not fit micro_batch_size="
-                    f"{sequences} sequences of memory.pack_length={pack_length}; raise either"
+                    f"{len(members)} rows, {sum(len(tokens[k]) for k in members)} tokens, does "
+                    f"not fit micro_batch_size={sequences} sequences of memory.pack_length="
+                    f"{pack_length}; raise either"
                 )
-            layout.append([])
-            placements.append([])
-        layout[-1] += members
-        placements[-1] += spots
+        current, current_spots = trial, spots
+    layout.append(current)
+    placements.append(current_spots)
     return layout, placements
 
 
 def pack_rows(
     rows: Sequence[Row],
     micro_batch_size: int,
-    pack_length: int | None = None,
+    pack: PackShape | None = None,
     row_multiple: int = 1,
     num_adapters: int = 1,
     share_prompts: bool = False,
+    keep_micro_batches: bool = False,
 ) -> Batch:
     """Right-padded micro-batches laid out by `micro_batch_layout`; unit ids renumbered.
 
-    With `pack_length`, each micro-batch is instead `micro_batch_size` sequences of
-    `pack_length` tokens into which its rows are packed end to end (`pack_layout`): the forward
-    pass sees no row padded to the longest, attention stays within a row (segments), positions
-    restart per row, and the per-row fields (loss mask, advantages, units, sampler log-probs)
-    are the same arrays as without packing, so the loss and its normalisers are unchanged
-    (except bnpo's per-micro-batch token mean, which the config refuses to pack). With
-    `share_prompts` rows of one prompt share its tokens in the packed sequence: each
-    completion attends to the one copy of its prompt (`parents`), whose hidden states, and
-    gradients, are computed once. Either way only the completion targets reach the lm_head
-    (`target_index`). The rows axis of every field is a multiple of `row_multiple` (the
-    devices it splits over). With `num_adapters` > 1 the batch carries each row's adapter id;
-    packing is then refused (a packed sequence would mix adapters within one row of the
-    forward pass).
+    With `pack`, each micro-batch is instead `pack.sequences` sequences of `pack.length`
+    tokens into which its rows are packed (`pack_layout`): the forward pass sees no row padded
+    to the longest, positions count within each row, and the per-row fields (loss mask,
+    advantages, units, sampler log-probs) are the same arrays as without packing, so the loss
+    and its normalisers are unchanged. Rows packed apart attend within their own segment. With
+    `share_prompts` every sequence is a prefix tree of its rows' tokens: rows that begin alike
+    (a group's G calls of a module on one input, one module's instruction across inputs,
+    replies that agree) hold their common prefix once, its hidden states and gradients are
+    computed once, and each token attends exactly to its own row's earlier tokens (`reach`).
+    Either way only the completion targets reach the lm_head (`target_index`). The rows axis
+    of every field is a multiple of `row_multiple` (the devices it splits over). With
+    `num_adapters` > 1 the batch carries each row's adapter id, and packed, each token's
+    (rows of several modules share a sequence, never a tree node). `keep_micro_batches` packs
+    the padded layout's micro-batches as they are (bnpo's per-micro-batch token mean).
     """
-    if num_adapters > 1 and pack_length is not None:
-        raise ValueError(
-            f"memory.pack_length={pack_length} packs rows of different modules into one "
-            f"sequence, which one of {num_adapters} adapters cannot serve; with per-module "
-            "adapters (lora.modules) set memory.pack_length=0"
-        )
     beyond = [r.adapter for r in rows if r.adapter >= num_adapters]
     if beyond:
         raise ValueError(f"a row's adapter id {beyond[0]} is not below num_adapters={num_adapters}")
@@ -355,7 +446,14 @@ def pack_rows(
             f"micro_batch_size={micro_batch_size} does not split over {row_multiple} devices "
             "(data x fsdp); make it a multiple"
         )
-    layout, placements = batch_layout(rows, micro_batch_size, pack_length, share_prompts)
+    if pack is not None and pack.sequences % row_multiple:
+        raise ValueError(
+            f"{pack.sequences} packed sequences do not split over {row_multiple} devices "
+            "(data x fsdp)"
+        )
+    layout, placements = batch_layout(
+        rows, micro_batch_size, pack, share_prompts, keep_micro_batches
+    )
     longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
     length = row_length_bucket(longest)
     window = token_bucket(max(len(r.completion_ids) for r in rows))
@@ -396,7 +494,7 @@ def pack_rows(
     packed = {}
     if placements is not None:
         packed = _packed_sequences(
-            rows, layout, placements, micro_batch_size, pack_length, width, length, share_prompts
+            rows, layout, placements, pack, width, length, share_prompts, num_adapters > 1
         )
     return Batch(
         tokens=jnp.asarray(packed.pop("tokens", tokens)),
@@ -420,49 +518,42 @@ def _packed_sequences(
     rows: Sequence[Row],
     layout: list[list[int]],
     placements: list[list[Placement]],
-    sequences: int,
-    pack_length: int,
+    pack: PackShape,
     width: int,
     length: int,
     share_prompts: bool,
+    per_token_adapters: bool,
 ) -> dict[str, np.ndarray]:
-    """The packed tokens, valid, positions, segments (and parents), and each sequence's
-    completion targets: where in it each is predicted, its token, its row and row slot.
+    """The packed tokens, valid, positions, segments (rows apart) or reach (a prefix tree),
+    each token's adapter (several adapters), and each sequence's completion targets: where in
+    it each is predicted, its token, its row and row slot.
 
-    Row i's tokens are segment i. A shared prompt is its own segment (`width` + its first
-    row) that every row of the prompt also sees through `parents`; the first completion token
-    of each such row is predicted from the prompt's last position."""
-    shape = (len(layout), sequences, pack_length)
+    A token's reach is the slot after the last row through it: rows are laid out depth first
+    (`_place`), so the slots from a token to its reach are exactly the rows that share it."""
+    shape = (len(layout), pack.sequences, pack.length)
     tokens, valid = np.zeros(shape, np.int32), np.zeros(shape, bool)
     positions, segments = np.zeros(shape, np.int32), np.full(shape, -1, np.int32)
-    parents = np.full(shape, -1, np.int32)
+    reach, adapters = np.full(shape, -1, np.int32), np.zeros(shape, np.int32)
     # (position, token, row, slot) of every target, per (micro-batch, sequence)
     targets: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
     for m, spots in enumerate(placements):
         for i, (k, spot) in enumerate(zip(layout[m], spots, strict=True)):
-            row, seq = rows[k], spot.sequence
+            row, seq, slots = rows[k], spot.sequence, spot.slots
             p, c = len(row.prompt_ids), len(row.completion_ids)
-            prompt = slice(spot.prompt_at, spot.prompt_at + p)
-            completion = slice(spot.completion_at, spot.completion_at + c)
+            tokens[m, seq, slots] = row.prompt_ids + row.completion_ids
+            valid[m, seq, slots] = True
+            positions[m, seq, slots] = np.arange(p + c)
+            adapters[m, seq, slots] = row.adapter
             if share_prompts:
-                if segments[m, seq, spot.prompt_at] < 0:  # the prompt's first row writes it
-                    segments[m, seq, prompt] = parents[m, seq, prompt] = width + i
-                parents[m, seq, completion] = segments[m, seq, spot.prompt_at]
+                reach[m, seq, slots] = np.maximum(reach[m, seq, slots], slots[-1] + 1)
             else:
-                segments[m, seq, prompt] = i
-            segments[m, seq, completion] = i
-            spans = ((prompt, row.prompt_ids, 0), (completion, row.completion_ids, p))
-            for span, ids, start in spans:
-                tokens[m, seq, span] = ids
-                valid[m, seq, span] = True
-                positions[m, seq, span] = start + np.arange(len(ids))
-            # completion token 0 is predicted at the prompt's last position, token j at j - 1
-            where = [spot.prompt_at + p - 1, *(spot.completion_at + np.arange(c - 1))]
+                segments[m, seq, slots] = i
+            # completion token j is predicted at the slot of the row's token before it
+            where = slots[p - 1 : p + c - 1]
             targets.setdefault((m, seq), []).extend(
                 (int(where[j]), row.completion_ids[j], i, p - 1 + j) for j in range(c)
             )
-    most = max(map(len, targets.values()))
-    window = min(token_bucket(most), pack_length)  # a sequence predicts <= Lp tokens
+    window = token_bucket(max(map(len, targets.values())))
     out = {
         "target_index": np.zeros((*shape[:2], window), np.int32),
         "target_tokens": np.zeros((*shape[:2], window), np.int32),
@@ -473,7 +564,8 @@ def _packed_sequences(
         columns = np.asarray(found, np.int32).T
         for name, column in zip(("index", "tokens", "row", "slot"), columns, strict=True):
             out[f"target_{name}"][m, seq, : len(found)] = column
-    packed = {"tokens": tokens, "valid": valid, "positions": positions, "segments": segments}
-    if share_prompts:
-        packed["parents"] = parents
+    packed = {"tokens": tokens, "valid": valid, "positions": positions}
+    packed["reach" if share_prompts else "segments"] = reach if share_prompts else segments
+    if per_token_adapters:
+        packed["token_adapters"] = adapters
     return packed | out

@@ -106,7 +106,7 @@ def batch_logprobs(
             model, micro.tokens, micro.valid, temperature, lora, rngs, logits_chunk=logits_chunk
         )
     hidden = model.final_hidden(
-        micro.tokens, micro.valid, micro.positions, micro.segments, lora, rngs, micro.parents
+        micro.tokens, micro.valid, micro.positions, micro.segments, lora, rngs, micro.reach
     )
     # each sequence's targets are its own positions: the gather stays within a sequence
     at = jnp.take_along_axis(hidden, micro.target_index[..., None], axis=1)

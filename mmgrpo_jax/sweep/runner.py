@@ -37,7 +37,13 @@ from mmgrpo_jax.sweep.report import (
     write_report,
 )
 from mmgrpo_jax.sweep.spec import COMMANDS, Cell, SweepConfig, identity_json
-from mmgrpo_jax.trainer.config import changed_keys, describe_changes, field_defaults, flatten
+from mmgrpo_jax.trainer.config import (
+    changed_keys,
+    computes_the_same,
+    describe_changes,
+    field_defaults,
+    flatten,
+)
 from mmgrpo_jax.trainer.run_lock import RunLock
 from mmgrpo_jax.trainer.run_log import write_atomic
 
@@ -243,6 +249,8 @@ def _check_identity(config: SweepConfig, cell: Cell, seed: int) -> None:
     except (json.JSONDecodeError, TypeError, AttributeError):
         found = {"(unreadable)": path.read_text()[:80]}
     changed = changed_keys(found, expected, _defaults(config.command))
+    # a new memory default (packing, shared prefixes) leaves a finished run the same run
+    changed = [k for k in changed if not computes_the_same(k)]
     if changed:
         details = describe_changes(found, expected, changed)
         raise UserError(

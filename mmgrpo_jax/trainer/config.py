@@ -130,13 +130,16 @@ class MemoryConfig:
     remat: bool = False  # recompute every block in the backward pass (keep block inputs only)
     logits_chunk: int = 0  # positions per lm_head chunk in log-prob passes; 0 = all at once
     prefill_chunk: int = 0  # prompt tokens per sampler prefill pass; 0 = the whole prompt
-    # > 0: a micro-batch is optim.micro_batch_size sequences of this many tokens, training rows
-    # packed end to end (no attention across rows); 0: rows padded to the step's longest
+    # training rows packed end to end into sequences (no row padded to the longest): each
+    # micro-batch holds no more token slots than optim.micro_batch_size padded rows would, in
+    # sequences sized from the step's rows; false: rows padded (the reference)
+    pack: bool = True
+    # the longest a packed sequence may be, in tokens; 0: chosen from the step's rows
     pack_length: int = 0
-    # with pack_length: rows of one prompt (a group's G calls of a module on one input) share
-    # the prompt's tokens in the packed sequence, so its forward and backward run once, not G
-    # times; the log-probs and gradients are those of the rows packed apart
-    share_prompts: bool = False
+    # with pack: every packed sequence is a prefix tree of its rows, so a prefix that rows share
+    # (a group's G calls of a module on one input, the instruction across inputs, replies that
+    # agree) is computed once in the forward and backward, exactly; false: rows packed apart
+    share_prompts: bool = True
     # `mmgrpo train` compiles the step and the sampler abstractly before reading weights and
     # refuses a run that cannot fit; false skips that (a run that does not fit then fails at
     # its first out-of-memory error)
@@ -148,17 +151,25 @@ class MemoryConfig:
             raise _bad(self, "attention", f"must be one of {IMPLEMENTATIONS}")
         if self.attention_block < 1:
             raise _bad(self, "attention_block", "must be >= 1")
-        for name in ("logits_chunk", "prefill_chunk", "pack_length"):
+        for name in ("logits_chunk", "prefill_chunk"):
             if getattr(self, name) < 0:
                 raise _bad(self, name, "must be >= 0 (0 = no chunking)")
-        if self.share_prompts and not self.pack_length:
-            raise _bad(self, "share_prompts", "needs packed rows: set pack_length > 0")
+        if self.pack_length < 0:
+            raise _bad(self, "pack_length", "must be >= 0 (0 = chosen from the step's rows)")
+        if self.pack_length and not self.pack:
+            raise _bad(self, "pack_length", "caps packed sequences: it needs pack true")
+        if self.share_prompts and not self.pack:
+            raise _bad(
+                self,
+                "share_prompts",
+                "needs packed rows: with pack false (rows padded) set share_prompts false too",
+            )
         if self.share_prompts and self.attention == "pallas":
             raise _bad(
                 self,
                 "share_prompts",
                 "needs attention 'dense' or 'blockwise' (the Pallas kernel takes segment ids "
-                "only, not a shared prompt's parent segment)",
+                "only, not a prefix tree); set share_prompts false to pack rows apart",
             )
 
     @property
@@ -281,23 +292,11 @@ class MMGRPOConfig:
                 f"MMGRPOConfig.memory.pack_length={pack} is shorter than the longest row, "
                 f"sampler.max_prompt_tokens + max_completion_tokens = {longest}"
             )
-        if pack and self.resolved_loss.aggregation_name == "token_mean_local":
-            raise ValueError(
-                f"MMGRPOConfig.memory.pack_length={pack} with loss.variant="
-                f"{self.loss.variant!r}: its per-micro-batch token mean depends on which rows "
-                "share a micro-batch, which packing changes; set pack_length=0"
-            )
         if self.memory.share_prompts and self.lora.dropout > 0:
             raise ValueError(
                 f"MMGRPOConfig.memory.share_prompts with lora.dropout={self.lora.dropout}: a "
-                "shared prompt runs once, so its rows would share one dropout draw; set "
-                "share_prompts false or dropout 0"
-            )
-        if pack and self.per_module_adapters:
-            raise ValueError(
-                f"MMGRPOConfig.memory.pack_length={pack} with per-module adapters (lora.modules="
-                f"{list(self.lora.modules)}): a packed sequence would mix modules, which one "
-                "adapter cannot serve; set pack_length=0"
+                "shared prefix runs once, so its rows would share one dropout draw; set "
+                "memory.share_prompts false (rows packed apart) or lora.dropout 0"
             )
         if self.lora.modules and self.train != "lora":
             raise ValueError(
@@ -412,6 +411,13 @@ def changed_keys(
 
     keys = set(old) | set(new)
     return sorted(k for k in keys if not same(old.get(k), new.get(k)) and not added_as_default(k))
+
+
+def computes_the_same(key: str) -> bool:
+    """Whether a dotted config key says only how a run is computed, not what: the memory
+    layout (remat, chunks, packing, shared prefixes) and the device mesh. Runs that differ only
+    in these are the same run, up to floating-point summation order."""
+    return key.split(".")[-2:-1] in (["memory"], ["parallel"])
 
 
 def describe_changes(old: dict[str, Any], new: dict[str, Any], keys: Sequence[str]) -> str:

@@ -40,7 +40,15 @@ from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.rl.advantages import advantages_for_groups
-from mmgrpo_jax.rl.batch import Batch, Row, batch_layout, pack_rows, rows_from_groups
+from mmgrpo_jax.rl.batch import (
+    Batch,
+    PackShape,
+    Row,
+    batch_layout,
+    pack_rows,
+    pack_shape,
+    rows_from_groups,
+)
 from mmgrpo_jax.rl.grouping import Group, GroupingSettings, grouping_rule
 from mmgrpo_jax.rl.rollout import run_rollouts, score_examples, summarize
 from mmgrpo_jax.rl.step import (
@@ -588,15 +596,12 @@ class MMGRPO:
         update: dict[str, float] = {}
         if rollouts.rows:
             start = time.perf_counter()
-            pack_length = cfg.memory.pack_length or None
-            shards = batch_multiple(self.mesh)
             batch = pack_rows(
                 rollouts.rows,
                 cfg.optim.micro_batch_size,
-                pack_length,
-                shards,
+                row_multiple=batch_multiple(self.mesh),
                 num_adapters=cfg.lora.num_adapters if cfg.per_module_adapters else 1,
-                share_prompts=cfg.memory.share_prompts,
+                **self._packing(rollouts.rows),
             )
             padding = batch.padding_fraction
             row_tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts.rows)
@@ -785,13 +790,7 @@ class MMGRPO:
         module's calls the sampler and the trainer disagree on."""
         if not per_row:  # every process holds the whole step's rows and the metrics
             return {}
-        memory = self.config.memory
-        layout, _ = batch_layout(
-            rows,
-            self.config.optim.micro_batch_size,
-            memory.pack_length or None,
-            memory.share_prompts,
-        )
+        layout, _ = batch_layout(rows, self.config.optim.micro_batch_size, **self._packing(rows))
         sums: dict[str, np.ndarray] = {}
         for m, chunk in enumerate(layout):
             for i, k in enumerate(chunk):
@@ -803,6 +802,30 @@ class MMGRPO:
                 metrics[f"sampler_weight_mean/{module}"] = weight / tokens
                 metrics[f"sampler_weight_zero_fraction/{module}"] = zeros / tokens
         return metrics
+
+    def _packing(self, rows: Sequence[Row]) -> dict[str, Any]:
+        """How `pack_rows` lays out this step's rows: the packed shape chosen from them (or
+        padded rows), whether they share prefixes, and (bnpo, whose token mean is per
+        micro-batch) whether micro-batches keep the padded layout's rows."""
+        cfg = self.config
+        memory = cfg.memory
+        if not memory.pack:
+            return {"pack": None}
+        local_mean = cfg.resolved_loss.aggregation_name == "token_mean_local"
+        pack = pack_shape(
+            rows,
+            cfg.optim.micro_batch_size,
+            memory.pack_length,
+            memory.share_prompts and not local_mean,
+            batch_multiple(self.mesh),
+        )
+        if local_mean:  # each padded micro-batch's rows, in sequences of its longest row
+            pack = PackShape(cfg.optim.micro_batch_size, pack.length)
+        return {
+            "pack": pack,
+            "share_prompts": memory.share_prompts,
+            "keep_micro_batches": local_mean,
+        }
 
     @property
     def _adapter_of(self) -> Callable[[str], int] | None:

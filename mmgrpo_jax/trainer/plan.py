@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from mmgrpo_jax.errors import UserError
-from mmgrpo_jax.rl.batch import Batch, row_length_bucket
+from mmgrpo_jax.rl.batch import Batch, PackShape, row_length_bucket
 from mmgrpo_jax.rl.step import FrozenWeights, TrainState, make_train_step
 from mmgrpo_jax.sampling import decode_steps, request_slots, rows_within_budget
 from mmgrpo_jax.shapes import row_bucket, token_bucket
@@ -243,16 +243,20 @@ def _train_step_analysis(
     b = config.optim.micro_batch_size
     longest = config.sampler.max_prompt_tokens + config.sampler.max_completion_tokens
     length = row_length_bucket(longest)
-    pack = config.memory.pack_length
+    memory = config.memory
+    pack = None
+    if memory.pack:  # what pack_shape gives the longest rows: a padded micro-batch's slots
+        sequence = min(memory.pack_length or length, b * length)
+        pack = PackShape(max(b * length // sequence, 1), sequence)
     batch = abstract_batch(
         1,
         b,
         length,
         old_logps=config.num_iterations > 1,
-        pack_length=pack,
+        pack=pack,
         adapter_ids=config.per_module_adapters,
         window=token_bucket(config.sampler.max_completion_tokens),
-        parents=config.memory.share_prompts,
+        reach=memory.pack and memory.share_prompts,
     )
     step = make_train_step(
         graphdef,
@@ -266,7 +270,11 @@ def _train_step_analysis(
         "total_bytes": total,
         "temp_bytes": temp,
         "state_bytes": _nbytes((params, opt_state, reference)),
-        "shape": f"{b} packed rows x {pack} tokens" if pack else f"{b} rows x {length} tokens",
+        "shape": (
+            f"{b} rows x {length} tokens"
+            if pack is None
+            else f"{pack.sequences} packed sequences x {pack.length} tokens"
+        ),
     }
 
 
@@ -275,33 +283,37 @@ def abstract_batch(
     rows: int,
     length: int,
     old_logps: bool,
-    pack_length: int = 0,
+    pack: PackShape | None = None,
     adapter_ids: bool = False,
     window: int | None = None,
-    parents: bool = False,
+    reach: bool = False,
 ) -> Batch:
-    """A `Batch` of ShapeDtypeStructs: what `pack_rows` would build at these sizes (packed: one
-    longest row per sequence, the most per-row slots a full micro-batch can need; with
-    per-module adapters, each row's adapter id; `window` completion targets a row, default
-    every position; `parents` for shared prompts)."""
+    """A `Batch` of ShapeDtypeStructs: what `pack_rows` would build at these sizes (packed:
+    `pack`'s sequences, each predicting up to its length in targets, and `rows` per-row
+    slots; with per-module adapters, each row's (packed: each token's) adapter id; `window`
+    completion targets a row, default every position; `reach` for a prefix tree)."""
     shape = (micro_batches, rows)
     targets = (*shape, length - 1)
-    sequence = (*shape, pack_length or length)
-    # packed: a sequence's targets, at most its pack_length positions
-    window = pack_length or window or length - 1
+    window = window or length - 1
+    if pack is None:
+        sequences, sequence = shape, (*shape, length)
+    else:
+        sequences = (micro_batches, pack.sequences)
+        sequence = (*sequences, pack.length)
+        window = pack.length  # a sequence's targets
     packed = {
-        "target_index": _spec((*shape, window), jnp.int32),
-        "target_tokens": _spec((*shape, window), jnp.int32),
-        "target_slot": _spec((*shape, window), jnp.int32),
+        "target_index": _spec((*sequences, window), jnp.int32),
+        "target_tokens": _spec((*sequences, window), jnp.int32),
+        "target_slot": _spec((*sequences, window), jnp.int32),
     }
-    if pack_length:
+    if pack is not None:
         packed |= {
             "positions": _spec(sequence, jnp.int32),
-            "segments": _spec(sequence, jnp.int32),
-            "target_row": _spec((*shape, window), jnp.int32),
+            "target_row": _spec((*sequences, window), jnp.int32),
+            ("reach" if reach else "segments"): _spec(sequence, jnp.int32),
         }
-    if parents:
-        packed["parents"] = _spec(sequence, jnp.int32)
+        if adapter_ids:
+            packed["token_adapters"] = _spec(sequence, jnp.int32)
     return Batch(
         tokens=_spec(sequence, jnp.int32),
         valid=_spec(sequence, jnp.bool_),

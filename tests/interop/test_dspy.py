@@ -623,8 +623,10 @@ def test_an_unmodified_dspy_program_trains_as_its_native_twin(tmp_path):
     ours, theirs = logged(tmp_path / "dspy" / "run"), logged(tmp_path / "native" / "run")
     steps = [r for r in ours if "loss" in r]
     assert [r["step"] for r in steps] == [1.0, 2.0, 3.0]
+    # step 1's loss is 0 up to float32 rounding (~1e-8, by the layout's summation order), as in
+    # test_mmgrpo; the native twin, on the same layout, is matched exactly below
     for key, want in RECORDED["module"].items():
-        np.testing.assert_allclose([r[key] for r in steps[:2]], want, rtol=1e-4, atol=1e-9)
+        np.testing.assert_allclose([r[key] for r in steps[:2]], want, rtol=1e-4, atol=1e-7)
     for key in ("loss", "grad_norm", "reward_mean", "eval_reward"):
         assert [r[key] for r in ours if key in r] == [r[key] for r in theirs if key in r], key
     lora = jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))

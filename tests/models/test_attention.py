@@ -32,17 +32,15 @@ def masks():
         jnp.broadcast_to(jnp.arange(10, 10 + T, dtype=jnp.int32), (B, T)),
         jnp.asarray(np.arange(T + 16)[None] >= np.array([[0], [3]])),
     )
-    # shared prompts: row 0 holds prompt 9 (tokens 0-9) with two completions (10-17, 18-25),
-    # then prompt 8 (26-31) with one (32-36); row 1 two rows packed apart
-    shared, parents = np.full((B, T), 9, np.int32), np.full((B, T), 9, np.int32)
-    shared[0, 10:18], shared[0, 18:26], shared[0, 26:32], shared[0, 32:] = 0, 1, 8, 2
-    parents[0, 26:] = 8
-    shared[1, :15], shared[1, 15:] = 0, 1
-    parents[1] = shared[1]
+    # prefix trees, laid out depth first; a token's reach is the slot after the rows sharing it.
+    # Row 0: prompt P (slots 0-9) with two completions (10-17, 18-25), then prompt Q (26-31)
+    # with one (32-36). Row 1, three levels: an instruction (0-7) shared by two prompts, A's
+    # tail (8-14) with completions 15-19 and 20-24, B's tail (25-30) with completion 31-36.
+    reach = np.full((B, T), T, np.int32)
+    reach[0, :10], reach[0, 10:18], reach[0, 18:26] = 26, 18, 26
+    reach[1, 8:15], reach[1, 15:20], reach[1, 20:25] = 25, 20, 25
     return {
-        "shared_prompts": AttentionMask.causal(
-            jnp.ones((B, T), bool), jnp.asarray(shared), jnp.asarray(parents)
-        ),
+        "prefix_tree": AttentionMask.causal(jnp.ones((B, T), bool), None, jnp.asarray(reach)),
         "right_padded": AttentionMask.causal(jnp.asarray(right)),
         "left_padded": AttentionMask.causal(jnp.asarray(left)),
         "packed": AttentionMask.causal(jnp.ones((B, T), bool), jnp.asarray(segments)),
@@ -85,22 +83,21 @@ def test_blockwise_equals_dense_outputs_and_gradients(dtype, rel, name, blocks):
         assert_close(g, w, rel)
 
 
-def test_a_shared_prompts_completion_sees_its_prompt_and_itself_only():
-    allowed = np.asarray(masks()["shared_prompts"].dense())[0]
-    second = allowed[20]  # a token of the prompt's second completion
-    assert second[:10].all() and not second[10:18].any() and second[18:21].all()
-    assert not second[21:].any()
-    third = allowed[34]  # the other prompt's completion sees that prompt only
-    assert np.flatnonzero(third).tolist() == [*range(26, 35)]
-    assert np.flatnonzero(allowed[5]).tolist() == [*range(6)]  # prompt tokens: causal
+def test_a_prefix_trees_token_sees_its_own_rows_earlier_tokens_only():
+    allowed = np.asarray(masks()["prefix_tree"].dense())
+    second = allowed[0, 20]  # a token of prompt P's second completion
+    assert np.flatnonzero(second).tolist() == [*range(10), *range(18, 21)]
+    assert np.flatnonzero(allowed[0, 34]).tolist() == [*range(26, 35)]  # Q's: Q and itself
+    assert np.flatnonzero(allowed[0, 5]).tolist() == [*range(6)]  # prompt tokens: causal
+    # three levels: B's completion sees the instruction, B's tail and itself, not A's subtree
+    assert np.flatnonzero(allowed[1, 33]).tolist() == [*range(8), *range(25, 34)]
+    assert np.flatnonzero(allowed[1, 22]).tolist() == [*range(15), *range(20, 23)]
 
 
-def test_pallas_refuses_a_shared_prompts_mask():
-    mask = masks()["shared_prompts"]
-    with pytest.raises(ValueError, match="parent segments"):
+def test_pallas_refuses_a_prefix_tree_mask():
+    mask = masks()["prefix_tree"]
+    with pytest.raises(ValueError, match="not a packed prefix tree's reach"):
         attend(*qkv(jnp.float32), mask, AttentionConfig("pallas", q_block=8, kv_block=8))
-    with pytest.raises(ValueError, match="needs segments too"):
-        AttentionMask.causal(mask.kv_valid, None, mask.q_parents)
 
 
 def test_a_query_that_sees_nothing_gets_zeros_and_no_nan():

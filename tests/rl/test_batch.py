@@ -7,7 +7,7 @@ import pytest
 
 from mmgrpo_jax.program.trace import CallRecord
 from mmgrpo_jax.rl.advantages import advantages_for_groups
-from mmgrpo_jax.rl.batch import Row, pack_rows, rows_from_groups
+from mmgrpo_jax.rl.batch import PackShape, Row, pack_rows, rows_from_groups
 from mmgrpo_jax.rl.grouping import (
     Group,
     GroupMember,
@@ -135,7 +135,7 @@ def test_truncated_completions_can_be_masked_and_missing_ids_are_an_error():
 @pytest.mark.parametrize("trajectories", [None, [0, 0, 1, 2, 2, 2, 3]])
 def test_packed_rows_hold_every_row_once_with_restarting_positions(trajectories):
     rows = make_rows(seed=2, trajectories=trajectories)
-    batch = pack_rows(rows, micro_batch_size=2, pack_length=24)
+    batch = pack_rows(rows, micro_batch_size=2, pack=PackShape(2, 24))
     tokens, segments = np.asarray(batch.tokens), np.asarray(batch.segments)
     positions, index = np.asarray(batch.positions), np.asarray(batch.target_index)
     slots, targets = np.asarray(batch.target_slot), np.asarray(batch.target_tokens)
@@ -169,7 +169,7 @@ def test_packing_cuts_the_padding_of_a_hover_like_step():
     lengths = [*rng.integers(20, 60, 40), *rng.integers(200, 250, 4)]
     rows = [Row(tuple(range(1, n)), (7,), 0.5) for n in lengths]
     padded = pack_rows(rows, micro_batch_size=8)
-    packed = pack_rows(rows, micro_batch_size=2, pack_length=256)
+    packed = pack_rows(rows, micro_batch_size=2, pack=PackShape(2, 256))
     assert padded.padding_fraction > 0.75 and packed.padding_fraction < 0.25
     assert packed.tokens.size < padded.tokens.size / 3
 
@@ -177,7 +177,7 @@ def test_packing_cuts_the_padding_of_a_hover_like_step():
 def test_a_row_longer_than_the_pack_is_named():
     rows = make_rows(seed=1)
     with pytest.raises(ValueError, match=r"row of \d+ tokens does not fit memory.pack_length=8"):
-        pack_rows(rows, micro_batch_size=2, pack_length=8)
+        pack_rows(rows, micro_batch_size=2, pack=PackShape(2, 8))
 
 
 def test_row_lengths_pad_to_multiples_of_64_up_to_512():
@@ -292,7 +292,7 @@ def test_loss_unit_config_sets_the_aggregation_and_refuses_what_it_would_redefin
 def test_packed_targets_are_grouped_by_sequence_so_the_lm_head_scores_no_more_than_it():
     """Many short rows and one long completion: per-row windows would score rows x longest."""
     rows = [Row((1, 2, 3), (4, 5), 0.5) for _ in range(40)] + [Row((1,), tuple(range(60)), 0.5)]
-    batch = pack_rows(rows, micro_batch_size=2, pack_length=128)
+    batch = pack_rows(rows, micro_batch_size=2, pack=PackShape(2, 128))
     m, sequences, window = batch.target_tokens.shape
     assert sequences == 2 and window <= 128
     assert m * sequences * window < len(rows) * 64  # what a per-row window of 64 would score
@@ -355,3 +355,99 @@ def test_one_call_per_module_makes_module_and_trajectory_groups_one_token_level_
     grpo = [_loss_and_gradient(rows, "grpo", logps_of) for rows in (by_module, by_trajectory)]
     differs = [not np.allclose(g, grpo[1][1][c], rtol=1e-3) for c, g in grpo[0][1].items()]
     assert any(differs), "grpo weighs a call under module groups, a trajectory under the other"
+
+
+def program_rows(seed=0, agree=False, inputs=3, size=3, adapters=1):
+    """A two-module step's rows: each module's prompts open with its instruction (shared across
+    inputs), then the input; `size` completions per (module, input), all equal when `agree`,
+    else each with its own first token. Module k's rows use adapter k % adapters."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for module in range(2):
+        instruction = tuple(rng.integers(0, 64, 6).tolist())
+        for _ in range(inputs):
+            prompt = instruction + tuple(rng.integers(0, 64, rng.integers(2, 6)).tolist())
+            reply = tuple(rng.integers(0, 64, rng.integers(2, 7)).tolist())
+            for g in range(size):
+                completion = reply if agree else (g, *rng.integers(0, 64, rng.integers(1, 6)))
+                completion = tuple(int(t) for t in completion)
+                logprobs = tuple(rng.uniform(-3, 0, len(completion)).tolist())
+                advantage = float(rng.normal())
+                rows.append(
+                    Row(prompt, completion, advantage, -1, logprobs, adapter=module % adapters)
+                )
+    return rows
+
+
+def trie_size(rows):
+    """Distinct (adapter, prefix) pairs: the tokens a prefix tree of the rows holds."""
+    return len(
+        {
+            (r.adapter, (r.prompt_ids + r.completion_ids)[: n + 1])
+            for r in rows
+            for n in range(len(r.prompt_ids) + len(r.completion_ids))
+        }
+    )
+
+
+@pytest.mark.parametrize("agree", [False, True], ids=["replies_differ", "replies_agree"])
+@pytest.mark.parametrize("adapters", [1, 2])
+def test_a_prefix_tree_holds_each_shared_prefix_once_and_each_row_sees_its_own_path(
+    agree, adapters
+):
+    """Roomy sequences: the packed tokens are exactly the trie's (instructions across inputs,
+    a group's prompt, agreeing replies: each once), and a row's last token attends to its own
+    tokens and nothing else, in order, at positions 0.. along its path."""
+    from mmgrpo_jax.rl.batch import batch_layout
+    from models.attention import AttentionMask
+
+    rows = program_rows(seed=5, agree=agree, adapters=adapters)
+    pack = PackShape(2, 128)
+    batch = pack_rows(rows, 2, pack, num_adapters=adapters, share_prompts=True)
+    assert batch.segments is None and batch.reach is not None
+    assert int(np.asarray(batch.valid).sum()) == trie_size(rows)
+    padded_tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+    assert trie_size(rows) < padded_tokens - 2 * 6 * (3 - 1)  # the instructions, at least
+    layout, placements = batch_layout(rows, 2, pack, share_prompts=True)
+    tokens, positions = np.asarray(batch.tokens), np.asarray(batch.positions)
+    allowed = np.asarray(
+        jax.vmap(lambda v, r: AttentionMask.causal(v, None, r).dense())(batch.valid, batch.reach)
+    )
+    for m, (chunk, spots) in enumerate(zip(layout, placements, strict=True)):
+        for k, spot in zip(chunk, spots, strict=True):
+            row, seq, slots = rows[k], spot.sequence, spot.slots
+            assert tokens[m, seq, slots].tolist() == list(row.prompt_ids + row.completion_ids)
+            assert positions[m, seq, slots].tolist() == list(range(len(slots)))
+            assert np.flatnonzero(allowed[m, seq, slots[-1]]).tolist() == slots.tolist()
+            if adapters > 1:
+                assert set(np.asarray(batch.token_adapters)[m, seq, slots]) == {row.adapter}
+
+
+def test_a_tight_prefix_tree_spills_into_new_sequences_and_keeps_units_together():
+    rows = program_rows(seed=6)
+    rows = [dataclasses.replace(r, unit=k // 2) for k, r in enumerate(rows)]  # pairs of rows
+    longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+    batch = pack_rows(rows, 2, PackShape(2, longest), share_prompts=True)
+    real = int(np.asarray(batch.valid).sum())
+    assert trie_size(rows) < real < sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+    per_micro = [set(np.asarray(batch.unit_ids[m])) - {-1} for m in range(batch.tokens.shape[0])]
+    assert sum(len(u) for u in per_micro) == len(rows) // 2  # no unit split over micro-batches
+
+
+def test_pack_shape_holds_a_groups_tree_within_the_padded_budget():
+    """Sequences long enough for one prompt's G rows, no more slots than padding would use,
+    a cap obeyed, and a cap below the longest row named."""
+    from mmgrpo_jax.rl.batch import pack_shape, row_length_bucket
+
+    prompt = tuple(range(1, 201))
+    rows = [Row(prompt, (g, *range(8, 20)), 0.5) for g in range(8)]
+    longest = row_length_bucket(213)
+    shape = pack_shape(rows, micro_batch_size=8)
+    assert shape.length == row_length_bucket(200 + 8 * 13) and shape.length > longest
+    assert shape.sequences * shape.length <= 8 * longest
+    apart = pack_shape(rows, micro_batch_size=8, share_prompts=False)
+    assert (apart.sequences, apart.length) == (8, longest)
+    assert pack_shape(rows, 8, cap=220).length == 220
+    assert pack_shape(rows, 8, row_multiple=4).sequences % 4 == 0
+    with pytest.raises(ValueError, match=r"row of 213 tokens does not fit memory.pack_length=100"):
+        pack_shape(rows, 8, cap=100)

@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
-from mmgrpo_jax.rl.batch import Row, pack_rows, rows_from_groups
+from mmgrpo_jax.rl.batch import PackShape, Row, batch_layout, pack_rows, rows_from_groups
 from mmgrpo_jax.rl.losses import LossConfig, policy_loss
 from mmgrpo_jax.rl.step import (
     ROW_METRIC,
@@ -23,7 +23,7 @@ from models.config import ModelConfig
 from models.decoder import Decoder
 from models.lora import LoRAConfig
 from tests.models.test_lora import perturb, single_adapter
-from tests.rl.test_batch import make_rows, synthetic_groups, unit
+from tests.rl.test_batch import make_rows, program_rows, synthetic_groups, unit
 
 CFG = ModelConfig.tiny(64, num_layers=2)
 TEMPERATURE = 0.8
@@ -286,13 +286,19 @@ def test_memory_lean_step_equals_the_reference_step(train, dropout, trajectory_l
         )
 
 
-def step_outcome(batch, cfg):
+def step_outcome(batch, cfg, model=None, old_logps=False):
     """One SGD step's parameter change and metrics, and each row's masked target log-probs
-    in layout order (the same order whatever the layout)."""
+    in layout order (the same order whatever the layout). `old_logps`: the batch carries the
+    log-probs before the update (num_iterations > 1), made one SGD step away so ratios move."""
     optimizer = optax.sgd(1.0)
-    graphdef, state, frozen = split_for_training(fresh_model(), optimizer)
+    graphdef, state, frozen = split_for_training(model or fresh_model(), optimizer)
     before = jax.tree.map(np.asarray, state.trainable)
     logps = make_logprob_fn(graphdef, TEMPERATURE)(state.trainable, frozen, batch)
+    if old_logps:
+        moved = jax.tree.map(lambda w: w * 1.05, state.trainable)
+        batch = batch.replace(
+            old_logps=make_logprob_fn(graphdef, TEMPERATURE)(moved, frozen, batch)
+        )
     new_state, metrics = make_train_step(graphdef, optimizer, cfg, TEMPERATURE)(
         state, frozen, batch
     )
@@ -301,6 +307,15 @@ def step_outcome(batch, cfg):
     present = zip(*np.nonzero(units >= 0), strict=True)
     per_row = [np.asarray(logps)[m, i][mask[m, i]] for m, i in present]
     return grad, metrics, per_row
+
+
+def by_row(outcome, layout):
+    """An outcome's per-row log-probs in the rows' own order (a prefix tree reorders them)."""
+    order = [k for chunk in layout for k in chunk]
+    per_row = [None] * len(order)
+    for k, logps in zip(order, outcome[2], strict=True):
+        per_row[k] = logps
+    return (*outcome[:2], per_row)
 
 
 def assert_same_step(got, want, rtol=1e-5):
@@ -322,7 +337,7 @@ def test_packed_rows_give_the_unpacked_step(cfg, trajectory_level):
     tids = [0, 0, 1, 2, 2, 2, 3] if trajectory_level else None
     rows = make_rows(seed=6, trajectories=tids)
     want = step_outcome(pack_rows(rows, micro_batch_size=4), cfg)
-    packed = pack_rows(rows, micro_batch_size=2, pack_length=24)
+    packed = pack_rows(rows, micro_batch_size=2, pack=PackShape(2, 24))
     assert packed.tokens.shape[-1] == 24 and packed.tokens.shape[1] == 2
     assert_same_step(step_outcome(packed, cfg), want)
 
@@ -352,9 +367,10 @@ def test_shared_prompts_give_the_unpacked_step(cfg, room):
     rows = rows_of_groups(seed=3)
     longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
     pack_length = 48 if room == "roomy" else longest
-    want = step_outcome(pack_rows(rows, micro_batch_size=4), cfg)
-    shared = pack_rows(rows, micro_batch_size=2, pack_length=pack_length, share_prompts=True)
-    apart = pack_rows(rows, micro_batch_size=2, pack_length=pack_length)
+    want = by_row(step_outcome(pack_rows(rows, micro_batch_size=4), cfg), [range(len(rows))])
+    pack = PackShape(2, pack_length)
+    shared = pack_rows(rows, micro_batch_size=2, pack=pack, share_prompts=True)
+    apart = pack_rows(rows, micro_batch_size=2, pack=PackShape(2, pack_length))
     prompts = sum(len(r.prompt_ids) for r in rows[::3])
     completions = sum(len(r.completion_ids) for r in rows)
     real = int(np.asarray(shared.valid).sum())
@@ -363,7 +379,8 @@ def test_shared_prompts_give_the_unpacked_step(cfg, room):
         assert real == prompts + completions
     else:
         assert prompts + completions < real < 3 * prompts + completions
-    assert_same_step(step_outcome(shared, cfg), want)
+    layout, _ = batch_layout(rows, 2, pack, share_prompts=True)
+    assert_same_step(by_row(step_outcome(shared, cfg), layout), want)
 
 
 def test_old_logprobs_carry_no_lora_dropout_unlike_trls():
@@ -465,10 +482,8 @@ def test_one_adapter_by_pattern_is_todays_shared_adapter_bit_for_bit():
     np.testing.assert_array_equal(got[2], want[2])
 
 
-def test_pack_rows_refuses_packing_or_an_unknown_adapter_with_several():
+def test_pack_rows_refuses_an_unknown_adapter():
     rows = [dataclasses.replace(r, adapter=1) for r in make_rows(seed=13)]
-    with pytest.raises(ValueError, match="pack_length=24 packs rows of different modules"):
-        pack_rows(rows, micro_batch_size=2, pack_length=24, num_adapters=2)
     with pytest.raises(ValueError, match="adapter id 1 is not below num_adapters=1"):
         pack_rows(rows, micro_batch_size=4)
     assert pack_rows(make_rows(seed=13), micro_batch_size=4).adapter_ids is None
@@ -503,7 +518,56 @@ def test_shared_prompts_find_a_prompts_rows_wherever_they_come():
     """Rows of one prompt far apart in the step (as in update_profile.py's rows) still share."""
     rows = rows_of_groups(seed=4)
     interleaved = rows[0::3] + rows[1::3] + rows[2::3]
-    shared = pack_rows(interleaved, micro_batch_size=1, pack_length=48, share_prompts=True)
+    shared = pack_rows(interleaved, micro_batch_size=1, pack=PackShape(1, 48), share_prompts=True)
     prompts = sum(len(r.prompt_ids) for r in rows[::3])
     completions = sum(len(r.completion_ids) for r in rows)
     assert int(np.asarray(shared.valid).sum()) == prompts + completions
+
+
+# -- prefix trees over a program's step ----------------------------------------------------------
+TREE_CASES = {
+    "grpo_kl_replies_differ": (LossConfig("grpo", beta=0.04), False, False),
+    "grpo_kl_replies_agree": (LossConfig("grpo", beta=0.04), True, False),
+    "gspo_replies_differ": (LossConfig("gspo"), False, False),
+    "num_iterations_2": (LossConfig("grpo", beta=0.04), False, True),
+}
+
+
+@pytest.mark.parametrize("adapters", [1, 2], ids=["one_adapter", "per_module_adapters"])
+@pytest.mark.parametrize(("cfg", "agree", "old"), TREE_CASES.values(), ids=TREE_CASES.keys())
+def test_a_prefix_tree_step_equals_the_padded_step(cfg, agree, old, adapters):
+    """A two-module step whose instruction, group prompts (and agreeing replies) the tree holds
+    once: loss, gradients, KL, ratios and every row's log-probs are the padded step's, with one
+    adapter and with each module on its own (packed side by side, never in one tree node)."""
+    rows = program_rows(seed=21, agree=agree, adapters=adapters)
+    model = (two_adapter_model if adapters > 1 else fresh_model)()
+    want = step_outcome(pack_rows(rows, 6, num_adapters=adapters), cfg, model, old)
+    want = by_row(want, [range(len(rows))])
+    pack = PackShape(2, 96)
+    tree = pack_rows(rows, 2, pack, num_adapters=adapters, share_prompts=True)
+    real = int(np.asarray(tree.valid).sum())
+    assert real < 0.6 * sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+    layout, _ = batch_layout(rows, 2, pack, share_prompts=True)
+    got = by_row(step_outcome(tree, cfg, model, old), layout)
+    assert_same_step(got, want)
+    assert float(got[1]["grad_norm"]) > 0 and (not old or float(got[1]["ratio_mean"]) != 1.0)
+
+
+def test_bnpo_packed_keeps_the_padded_micro_batches_and_their_token_means():
+    """bnpo normalises by each micro-batch's own tokens: packed with keep_micro_batches (what
+    the trainer does for it), each micro-batch holds the padded layout's rows and the step is
+    the padded step; packed freely, the micro-batches and so the loss differ."""
+    rows = program_rows(seed=22)
+    cfg = LossConfig("bnpo", beta=0.04)
+    want = by_row(step_outcome(pack_rows(rows, 4), cfg), [range(len(rows))])
+    longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+    pack = PackShape(4, longest)
+    kept = pack_rows(rows, 4, pack, share_prompts=True, keep_micro_batches=True)
+    assert kept.tokens.shape[0] == -(-len(rows) // 4)
+    assert int(np.asarray(kept.valid).sum()) < sum(
+        len(r.prompt_ids) + len(r.completion_ids) for r in rows
+    )
+    layout, _ = batch_layout(rows, 4, pack, share_prompts=True, keep_micro_batches=True)
+    assert_same_step(by_row(step_outcome(kept, cfg), layout), want)
+    free = pack_rows(rows, 4, PackShape(2, 96), share_prompts=True)
+    assert abs(float(step_outcome(free, cfg)[1]["loss"]) - float(want[1]["loss"])) > 1e-4

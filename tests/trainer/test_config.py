@@ -48,11 +48,20 @@ def test_dr_grpo_normalises_by_the_samplers_completion_limit():
         (lambda: MMGRPOConfig(seed=2**32), r"seed must be in \[0, 2\*\*32\)"),
         (lambda: ParallelConfig(fsdp=0), "ParallelConfig.fsdp must be >= 1, got 0"),
         (
-            lambda: MemoryConfig(share_prompts=True),
-            "MemoryConfig.share_prompts needs packed rows: set pack_length > 0, got True",
+            lambda: MemoryConfig(pack=False),
+            "MemoryConfig.share_prompts needs packed rows: with pack false .* set share_prompts "
+            "false too, got True",
         ),
         (
-            lambda: MemoryConfig("pallas", share_prompts=True, pack_length=64),
+            lambda: MemoryConfig(pack=False, share_prompts=False, pack_length=64),
+            "MemoryConfig.pack_length caps packed sequences: it needs pack true, got 64",
+        ),
+        (
+            lambda: MemoryConfig(pack_length=-1),
+            r"MemoryConfig.pack_length must be >= 0 \(0 = chosen from the step's rows\)",
+        ),
+        (
+            lambda: MemoryConfig("pallas"),
             "MemoryConfig.share_prompts needs attention 'dense' or 'blockwise'",
         ),
         (lambda: ParallelConfig(devices=0), "ParallelConfig.devices must be >= 1 or null"),
@@ -90,12 +99,9 @@ def test_every_section_names_its_bad_field(make, message):
 def test_shared_prompts_refuse_lora_dropout_whose_draw_they_would_share():
     from models.lora import LoRAConfig
 
-    with pytest.raises(ValueError, match=r"share_prompts with lora.dropout=0.05: a shared prompt"):
-        MMGRPOConfig(
-            memory=MemoryConfig(pack_length=512, share_prompts=True),
-            lora=LoRAConfig(dropout=0.05),
-            sampler=SamplerConfig(max_prompt_tokens=256, max_completion_tokens=128),
-        )
+    with pytest.raises(ValueError, match=r"share_prompts with lora.dropout=0.05: a shared prefix"):
+        MMGRPOConfig(lora=LoRAConfig(dropout=0.05))  # the default memory: shared
+    MMGRPOConfig(lora=LoRAConfig(dropout=0.05), memory=MemoryConfig(share_prompts=False))
 
 
 def test_coordinator_addresses_as_users_write_them():

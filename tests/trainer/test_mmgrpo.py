@@ -84,8 +84,11 @@ RECORDED = {
 
 # The memory-lean path (blockwise attention, remat, chunked log-probs and prefill, packed rows)
 # must give the recorded numbers too.
-LEAN = MemoryConfig("blockwise", 16, True, logits_chunk=8, prefill_chunk=32, pack_length=256)
+LEAN = MemoryConfig(
+    "blockwise", 16, True, logits_chunk=8, prefill_chunk=32, pack_length=256, share_prompts=False
+)
 SHARED = dataclasses.replace(LEAN, share_prompts=True)  # a group's rows share their prompt
+PADDED = MemoryConfig(pack=False, share_prompts=False)  # the reference layout
 
 
 @pytest.mark.parametrize(
@@ -93,6 +96,7 @@ SHARED = dataclasses.replace(LEAN, share_prompts=True)  # a group's rows share t
     [
         ("module", None, None, ()),
         ("trajectory", None, None, ()),
+        ("module", PADDED, None, ()),
         ("module", LEAN, None, ()),
         ("module", SHARED, None, ()),
         # the paper's two objectives as two settings of loss_unit: the same recorded numbers
@@ -104,6 +108,7 @@ SHARED = dataclasses.replace(LEAN, share_prompts=True)  # a group's rows share t
     ids=[
         "module",
         "trajectory",
+        "module_padded",
         "module_lean_packed",
         "module_lean_shared_prompts",
         "call_units",
@@ -120,7 +125,7 @@ def test_two_steps_train_only_lora_and_log_everything(
     lora_before = jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))
     loss = LossConfig("grpo", beta=0.04)
     cfg = config(tmp_path, grouping=grouping, loss=loss, loss_unit=loss_unit, lora=lora)
-    if memory is not None:  # packed rows need a bound on the prompts they pack
+    if memory is not None:  # a cap (pack_length) needs a bound on the prompts it packs
         sampler = dataclasses.replace(cfg.sampler, max_prompt_tokens=240)
         cfg = dataclasses.replace(cfg, memory=memory, sampler=sampler)
     model, _ = run(tokenizer, cfg, model)
@@ -138,9 +143,11 @@ def test_two_steps_train_only_lora_and_log_everything(
     for key, want in RECORDED[grouping].items():
         np.testing.assert_allclose([r[key] for r in steps], want, rtol=1e-4, atol=1e-7)
     assert [r["step"] for r in lines if "eval_reward" in r] == [0.0, 1.0, 2.0]
-    # a group's calls of one module share their prompt: packed once with share_prompts
+    # a group's calls of one module share their prompt: packed once with share_prompts (the
+    # default); padded or packed apart, the forward holds every row's own tokens
     shares = [r["forward_token_share"] for r in steps]
-    assert all(s < 0.8 for s in shares) if memory is SHARED else shares == [1.0, 1.0]
+    apart = memory in (PADDED, LEAN)
+    assert shares == [1.0, 1.0] if apart else all(s < 0.8 for s in shares)
     for record in steps:
         assert record["trajectories"] == 6 and record["calls"] == 12
         for key in (
@@ -256,13 +263,6 @@ def test_the_sampler_weight_is_logged_per_module(tokenizer, tmp_path):
 
 
 def test_per_module_adapters_refuse_what_they_cannot_serve(tokenizer, tmp_path):
-    with pytest.raises(ValueError, match=r"pack_length=256 with per-module adapters"):
-        config(
-            tmp_path,
-            lora=PER_MODULE,
-            memory=MemoryConfig(pack_length=256),
-            sampler=SamplerConfig(max_prompt_tokens=240, max_completion_tokens=4),
-        )
     with pytest.raises(ValueError, match=r"lora.modules=\['draft\*=drafter'.*needs train='lora'"):
         config(tmp_path, lora=PER_MODULE, train="full")
     only_draft = LoRAConfig(rank=2, alpha=4.0, modules=("draft=drafter", "answer=other"))

@@ -196,23 +196,12 @@ def test_a_loaded_policy_carries_the_memory_settings_before_any_engine_splits_it
     assert model.attention == LEAN.attention_config and model.remat
 
 
-def test_packing_is_refused_for_bnpo_whose_micro_batch_mean_it_would_change():
-    from mmgrpo_jax.rl.losses import LossConfig
-
-    with pytest.raises(ValueError, match=r"pack_length=512 with loss\.variant='bnpo'"):
-        dataclasses.replace(
-            config(),
-            loss=LossConfig("bnpo"),
-            memory=MemoryConfig(pack_length=512),
-            sampler=SamplerConfig(max_prompt_tokens=256, max_completion_tokens=128),
-        )
-
-
 def test_a_pallas_config_is_planned_as_blockwise_off_a_gpu(caplog):
     """The Pallas interpreter's buffers say nothing of the kernel's: a CPU host plans the
     kernel's tile-at-a-time footprint with the blockwise path, and says so."""
     small = {"prompt": 112, "completion": 16, "micro_batch": 2, "sampler_batch": 2}
-    pallas = plan_memory(config(MemoryConfig("pallas", 64), **small), MODEL, 10**12)
-    blockwise = plan_memory(config(MemoryConfig("blockwise", 64), **small), MODEL, 10**12)
+    apart = {"share_prompts": False}  # the kernel takes segments, not a prefix tree
+    pallas = plan_memory(config(MemoryConfig("pallas", 64, **apart), **small), MODEL, 10**12)
+    blockwise = plan_memory(config(MemoryConfig("blockwise", 64, **apart), **small), MODEL, 10**12)
     assert pallas.train_step_bytes == blockwise.train_step_bytes
     assert "planning memory.attention=pallas as blockwise on this cpu host" in caplog.text
