@@ -432,7 +432,8 @@ def pack_rows(
     (a group's G calls of a module on one input, one module's instruction across inputs,
     replies that agree) hold their common prefix once, its hidden states and gradients are
     computed once, and each token attends exactly to its own row's earlier tokens (`reach`).
-    Either way only the completion targets reach the lm_head (`target_index`). The rows axis
+    Either way only the completion targets reach the lm_head (`target_index`), and the
+    sequences axis is cut to what the fullest micro-batch fills (a power of two). The rows axis
     of every field is a multiple of `row_multiple` (the devices it splits over). With
     `num_adapters` > 1 the batch carries each row's adapter id, and packed, each token's
     (rows of several modules share a sequence, never a tree node). `keep_micro_batches` packs
@@ -454,6 +455,10 @@ def pack_rows(
     layout, placements = batch_layout(
         rows, micro_batch_size, pack, share_prompts, keep_micro_batches
     )
+    if placements is not None:  # as many sequences as the fullest micro-batch fills (bucketed)
+        used = max(spot.sequence for spots in placements for spot in spots) + 1
+        used = -(-bucket(used) // row_multiple) * row_multiple
+        pack = PackShape(min(pack.sequences, used), pack.length)
     longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
     length = row_length_bucket(longest)
     window = token_bucket(max(len(r.completion_ids) for r in rows))
