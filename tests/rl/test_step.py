@@ -533,8 +533,22 @@ TREE_CASES = {
 }
 
 
-@pytest.mark.parametrize("adapters", [1, 2], ids=["one_adapter", "per_module_adapters"])
-@pytest.mark.parametrize(("cfg", "agree", "old"), TREE_CASES.values(), ids=TREE_CASES.keys())
+# make test runs one adapter and per-module adapters on the first two cases (and per-module on
+# num_iterations 2); the rest run with the slow tests (CI's make test-slow)
+TREE_SLOW = {("gspo_replies_differ", 1), ("gspo_replies_differ", 2), ("num_iterations_2", 1)}
+TREE_PARAMS = [
+    pytest.param(
+        *case,
+        adapters,
+        id=f"{name}-{'one' if adapters == 1 else 'per_module'}_adapter",
+        marks=[pytest.mark.slow] if (name, adapters) in TREE_SLOW else [],
+    )
+    for name, case in TREE_CASES.items()
+    for adapters in (1, 2)
+]
+
+
+@pytest.mark.parametrize(("cfg", "agree", "old", "adapters"), TREE_PARAMS)
 def test_a_prefix_tree_step_equals_the_padded_step(cfg, agree, old, adapters):
     """A two-module step whose instruction, group prompts (and agreeing replies) the tree holds
     once: loss, gradients, KL, ratios and every row's log-probs are the padded step's, with one

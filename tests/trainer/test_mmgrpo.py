@@ -262,6 +262,7 @@ def test_the_sampler_weight_is_logged_per_module(tokenizer, tmp_path):
             assert 0 <= record[f"sampler_weight_zero_fraction/{m}"] <= 1
 
 
+@pytest.mark.slow  # two 3-step runs a case; make test keeps the step-level equalities
 @pytest.mark.parametrize("modules", [(), ("draft*=drafter", "*=answerer")], ids=["one", "two"])
 def test_three_steps_on_prefix_trees_end_at_the_padded_runs_weights(tokenizer, tmp_path, modules):
     """The default (rows packed as prefix trees) against padded rows over a whole 3-step run
