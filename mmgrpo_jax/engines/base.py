@@ -68,6 +68,7 @@ class EngineStats:
     row_steps: int = 0  # continuous: decode steps x the rows live in them
     slot_steps: int = 0  # continuous: decode steps x the pool's slots
     compiles: int = 0  # sampler programs compiled (a continuous engine counts its own)
+    prompt_tokens: int = 0  # prompt tokens of the requests prefilled (shared or not)
     shared_prefix_tokens: int = 0  # prompt tokens copied from a slot instead of prefilled
 
     @property
@@ -81,6 +82,11 @@ class EngineStats:
         if self.slot_steps:
             return self.row_steps / self.slot_steps
         return self.mean_batch / self.max_batch
+
+    @property
+    def prefill_saved(self) -> float:
+        """The share of prompt tokens not prefilled (their keys and values copied instead)."""
+        return self.shared_prefix_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def mean_queue_wait_s(self) -> float:

@@ -311,6 +311,7 @@ class ContinuousEngine(LocalEngine):
             stats.queue_wait_s += sum(now - p.queued_at for p in pendings)
             stats.sample_s += time.perf_counter() - started
             stats.tokens += len(wave)
+            stats.prompt_tokens += sum(ends)
             stats.shared_prefix_tokens += sum(j.shared for j in wave)
             stats.compiles = self._pool.traces
 

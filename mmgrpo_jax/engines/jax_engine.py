@@ -120,6 +120,7 @@ class JaxEngine(LocalEngine):
             self._stats.dispatches += 1
             self._stats.requests += len(batch)
             self._stats.tokens += sum(len(c.token_ids) for c in completions)
+            self._stats.prompt_tokens += sum(len(p.request.prompt_ids) for p in batch)
             self._stats.sample_s += time.perf_counter() - started
             self._stats.queue_wait_s += sum(dispatched - p.queued_at for p in batch)
         for pending, completion in zip(batch, completions, strict=True):

@@ -234,7 +234,10 @@ def step_metrics(
     metrics["time/queue_wait"] = engine.mean_queue_wait_s  # per request, submit to start
     # programs compiled by the engine in this step (a resumed run compiles its shapes again)
     metrics["perf/sampler_compiles"] = float(engine.compiles)
+    # prefill saved: prompt tokens whose keys and values were copied from a slot that held them
+    metrics["sampler_prompt_tokens"] = float(engine.prompt_tokens)
     metrics["sampler_shared_prefix_tokens"] = float(engine.shared_prefix_tokens)
+    metrics["sampler_prefill_saved"] = engine.prefill_saved
     # the engine's own seconds in sampler calls; the rest of the rollouts' wall time is the
     # programs' (and their tools') time not hidden behind sampling
     metrics["time/sampling"] = engine.sample_s

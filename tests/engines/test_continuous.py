@@ -148,6 +148,12 @@ def test_shared_prefixes_are_prefilled_once_and_sample_as_unshared(model):
     # and at least 3 of the 70-token system prompt
     assert shared_engine.stats.shared_prefix_tokens >= 3 * 39 + 3 * 70
     assert unshared_engine.stats.shared_prefix_tokens == 0
+    # every prompt token counted once, and the saved share is the copied tokens' share of them
+    for eng in (shared_engine, unshared_engine):
+        assert eng.stats.prompt_tokens == sum(len(p) for p in prompts)
+    stats = shared_engine.stats
+    assert stats.prefill_saved == stats.shared_prefix_tokens / stats.prompt_tokens > 0.4
+    assert unshared_engine.stats.prefill_saved == 0.0
     # a later request reuses what a finished row still holds
     before = shared_engine.stats.shared_prefix_tokens
     later = requests([system + RAGGED[5]], settings[:1])

@@ -148,6 +148,9 @@ def test_two_steps_train_only_lora_and_log_everything(
     shares = [r["forward_token_share"] for r in steps]
     apart = memory in (PADDED, LEAN)
     assert shares == [1.0, 1.0] if apart else all(s < 0.8 for s in shares)
+    # so do the rollouts: a group's later calls copy the first's prefilled prompt
+    assert cfg.sampler.engine == "continuous"
+    assert all(0.5 < r["sampler_prefill_saved"] < 1 for r in steps)
     for record in steps:
         assert record["trajectories"] == 6 and record["calls"] == 12
         for key in (
@@ -166,6 +169,7 @@ def test_two_steps_train_only_lora_and_log_everything(
             "time/weight_sync",
             "time/train",
             "sampler_occupancy",
+            "sampler_prefill_saved",
             "time/queue_wait",
             "perf/sampler_compiles",
             "perf/train_compiles",
