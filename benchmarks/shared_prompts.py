@@ -3,13 +3,17 @@ packed apart (`share_prompts false`), a prefix tree in the sequences of the old 
 `pack_length`, and the default (the prefix tree in the shape `pack_shape` chooses from the rows),
 each timed interleaved against padded in one run.
 
-The rows are one capitals step (update_profile.py's: 16 rollouts x 2 modules, real prompts,
-random 12-token replies). A module-level group's calls of the country module share their prompt
-exactly; the capital module's share theirs only when the rollouts named the same country.
-`--distinct-capitals` makes every capital prompt differ (the worst case for sharing): the rows as
-built are the best case, where all four rollouts of a question agree.
+The rows are one capitals step (update_profile.py's: 4 questions x `--rollouts` x 2 modules,
+real prompts, random replies; `--chat-adapter` renders the prompts as DSPy's ChatAdapter does,
+about 2.3x longer). `--layouts` picks which of the three are timed against padded. A
+module-level group's calls of the country module share their prompt exactly; the capital
+module's share theirs only when the rollouts named the same country. `--distinct-capitals`
+makes every capital prompt differ (the worst case for sharing): the rows as built are the best
+case, where all rollouts of a question agree.
 
     .venv/bin/python benchmarks/shared_prompts.py [--model smollm2-135m --repeats 3]
+    .venv/bin/python benchmarks/shared_prompts.py --rollouts 8 --chat-adapter --repeats 1 \
+        --layouts apart tree
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from mmgrpo_jax.rl.step import make_train_step, split_for_training
 from mmgrpo_jax.trainer.config import OptimConfig
 from models.hf import load_checkpoint
 from models.lora import LoRAConfig
+
+LAYOUTS = {"apart": "packed apart", "tree-hand": "tree, hand", "tree": "tree, default"}
 
 
 def distinct_capitals(rows: list, tokenizer) -> list:
@@ -58,11 +64,17 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=2, help="packed sequences a micro-batch")
     parser.add_argument("--pack-length", type=int, default=256)
     parser.add_argument("--distinct-capitals", action="store_true")
+    parser.add_argument("--rollouts", type=int, default=4, help="of each of the 4 questions")
+    parser.add_argument("--chat-adapter", action="store_true", help="DSPy ChatAdapter prompts")
+    parser.add_argument(
+        "--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS), help="vs padded"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     lora = LoRAConfig(rank=8, alpha=16.0)
     model, tokenizer, _ = load_checkpoint(args.model, dtype=jnp.float32, lora=lora)
-    rows = rows_of_one_step(tokenizer, np.random.default_rng(0))
+    rng = np.random.default_rng(0)
+    rows = rows_of_one_step(tokenizer, rng, args.rollouts, args.chat_adapter)
     if args.distinct_capitals:
         rows = distinct_capitals(rows, tokenizer)
     hand = PackShape(args.sequences, args.pack_length)
@@ -87,11 +99,15 @@ def main() -> None:
         return run
 
     losses = {name: runner(batch)() for name, batch in batches.items()}  # compile and warm
-    print(f"model: {args.model}, LoRA r{lora.rank}, float32; {len(rows)} rows of one capitals step")
+    prompts = "DSPy ChatAdapter" if args.chat_adapter else "bare"
+    print(
+        f"model: {args.model}, LoRA r{lora.rank}, float32; {len(rows)} rows of one capitals "
+        f"step (4 questions x {args.rollouts} rollouts x 2 modules, {prompts} prompts)"
+    )
     for name, batch in batches.items():
         print(f"{describe(name, batch)}, loss {losses[name]:+.6f}")
     padded = runner(batches["padded"])
-    for name in ("packed apart", "tree, hand", "tree, default"):
+    for name in (LAYOUTS[key] for key in args.layouts):
         base, other = interleaved(padded, runner(batches[name]), args.repeats)
         ratio = np.median(base) / np.median(other)
         paired = np.asarray(base) / np.asarray(other)

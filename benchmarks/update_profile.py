@@ -35,21 +35,27 @@ from models.lora import LoRAConfig
 from programs.capitals import Capitals, load_capitals
 
 
-def rows_of_one_step(tokenizer, rng: np.random.Generator) -> list[Row]:
-    """16 rollouts x 2 calls of the capitals program, module-level rows (each its own loss
-    sequence): real prompts, random 12-token replies and the stop token."""
+def rows_of_one_step(
+    tokenizer, rng: np.random.Generator, rollouts: int = 4, chat_adapter: bool = False
+) -> list[Row]:
+    """4 questions x `rollouts` rollouts x 2 calls of the capitals program, module-level rows
+    (each its own loss sequence): real prompts, random replies and the stop token. The prompts
+    are the bare predictors' (12-token replies), or with `chat_adapter` what DSPy's ChatAdapter
+    renders for the same two signatures (its headed field sections; 24-token replies, the
+    length of its `[[ ## field ## ]]` reply with one short value)."""
     from mmgrpo_jax.program.adapter import render
     from models.tokenizer import chat_prompt_ids
 
     program = Capitals()
+    prompt_of = render_chat_adapter if chat_adapter else lambda sig, x: render(sig, x, bare=True)
     rows = []
-    for example in load_capitals(0).train[:4] * 4:
+    for example in load_capitals(0).train[:4] * rollouts:
         for module, inputs in (
             (program.country, {"question": example.question}),
             (program.capital, {"country": example.country}),
         ):
-            prompt = chat_prompt_ids(tokenizer, render(module.signature, inputs, bare=True))
-            reply = [*rng.integers(100, 40000, 12).tolist(), 2]
+            prompt = chat_prompt_ids(tokenizer, prompt_of(module.signature, inputs))
+            reply = [*rng.integers(100, 40000, 24 if chat_adapter else 12).tolist(), 2]
             rows.append(
                 Row(
                     prompt_ids=tuple(prompt),
@@ -58,6 +64,17 @@ def rows_of_one_step(tokenizer, rng: np.random.Generator) -> list[Row]:
                 )
             )
     return rows
+
+
+def render_chat_adapter(signature, inputs: dict[str, str]) -> list[dict[str, str]]:
+    """The messages DSPy's ChatAdapter sends for one of our signatures (same fields and
+    instruction), no demos."""
+    import dspy
+
+    names = [", ".join(f.name for f in fields) for fields in (signature.inputs, signature.outputs)]
+    fields = " -> ".join(names)
+    dspy_signature = dspy.Signature(fields, signature.instructions)
+    return dspy.ChatAdapter().format(dspy_signature, demos=[], inputs=inputs)
 
 
 def timed(fn, *args, repeats: int) -> float:
