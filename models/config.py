@@ -6,9 +6,8 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-ModelType = Literal["llama", "qwen2", "qwen3"]
 MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

@@ -125,11 +125,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-    """Leading batch axis over (data, fsdp), the rest replicated."""
-    return NamedSharding(mesh, P(BATCH, *([None] * (ndim - 1))))
-
-
 def cache_sharding(mesh: Mesh) -> NamedSharding:
     """KV cache, keys [layers, B, K, Dh, S] and values [layers, B, K, S, Dh]: B over (data,
     fsdp), K over tensor."""

@@ -646,10 +646,6 @@ def _takes_three(fn: Callable[..., Any]) -> bool:
 
 
 # -- training -----------------------------------------------------------------------------------
-def is_dspy_module(program: Any) -> bool:
-    return isinstance(program, dspy.Module)
-
-
 def train(trainer: Any, program: Any, trainset: Sequence[Any], valset: Sequence[Any]) -> Any:
     """`MMGRPO.compile` on a DSPy program: train through `DSPyProgram`, then give back a deep
     copy of the program whose predictors' LM is the trained policy (greedy; with per-module
