@@ -343,11 +343,13 @@ def recorded_runs(
     config: SweepConfig,
     results: Sequence[RunResult],
     present: Iterable[tuple[Cell, int]] = (),
+    seeds: Iterable[int] | None = None,
 ) -> list[RunResult]:
     """The runs the sweep folder's runs.csv lists as finished that `results` lacks (their run
     folders are gone, e.g. a fresh clone of committed results), as the sweep recorded them:
     score, steps to the threshold and wall time, no curve. `present`: (cell, seed) runs whose
-    folders are here but could not be read (reported as failed, so not "gone" as well). A row
+    folders are here but could not be read (reported as failed, so not "gone" as well);
+    `seeds`: the seeds wanted, if not the sweep's own (its record may hold more). A row
     that names no cell of the sweep, or whose numbers do not read, is an error naming the file
     and row."""
     path = Path(config.out) / "runs.csv"
@@ -356,6 +358,7 @@ def recorded_runs(
     axes = [axis.name for axis in config.grid]
     cells = {tuple(dict(c.labels)[a] for a in axes): c for c in config.report_cells}
     found = {(r.cell, r.seed) for r in results} | set(present)
+    wanted = set(config.seeds if seeds is None else seeds)
     recorded = []
     with path.open(newline="") as f:
         for line, row in enumerate(csv.DictReader(f), start=2):
@@ -377,7 +380,7 @@ def recorded_runs(
                     f"{path} row {line} ({dict(row)}) is not a run of this sweep "
                     f"({type(err).__name__}: {err})"
                 ) from None
-            if seed in config.seeds and (cell, seed) not in found:
+            if seed in wanted and (cell, seed) not in found:
                 recorded.append(result)
     return recorded
 

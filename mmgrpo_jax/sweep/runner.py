@@ -180,6 +180,10 @@ def _collect_reference(
     other, other_cell = source.source()
     owner = f"baseline_from {source.sweep} {other_cell.name}"
     redo = f"(the run is that sweep's: `mmgrpo sweep --sweep {source.sweep}` redoes it)"
+    # where a run's folder is gone (a clone of the committed tables), the owner's own record
+    owner_record = {
+        r.seed: r for r in recorded_runs(other, [], seeds=config.seeds) if r.cell == other_cell
+    }
     missing = []
     for seed in config.seeds:
         try:
@@ -187,7 +191,10 @@ def _collect_reference(
         except UserError as err:  # a run folder of another setting
             raise UserError(f"{owner}: {err}") from None
         if not finished:
-            missing.append(seed)
+            if seed in owner_record:
+                results.append(dataclasses.replace(owner_record[seed], cell=config.reference_cell))
+            else:
+                missing.append(seed)
             continue
         try:
             results.append(read_run(config, config.reference_cell, seed))

@@ -419,15 +419,37 @@ def test_a_baseline_from_another_sweep_is_a_row_paired_by_seed_and_never_run_her
     table = list(csv.DictReader((tmp_path / "other" / "table.csv").open()))
     assert (table[0]["runs"], table[1]["diff_seeds"]) == ("3", "3")
     # the owner's folders gone (a fresh clone of the tables only): the baseline row stays, from
-    # this sweep's record, and is not counted among the runs to do again
+    # the owner's record (seed 2 too, beyond its file's seeds), not counted among runs to do
     first = _without_wall_time((tmp_path / "other" / "table.csv").read_text())
     shutil.rmtree(tmp_path / "owner" / "runs")
     caplog.clear()
     report = run_sweep(config, progress=False)
-    assert "has not finished seeds [0, 1, 2]" in caplog.text
-    assert "runs.csv" not in caplog.text  # nothing of this sweep's own is missing
+    assert "has not finished" not in caplog.text and "runs.csv" not in caplog.text
     assert _without_wall_time((tmp_path / "other" / "table.csv").read_text()) == first
     assert sum(r.recorded for r in report.results) == 3
+    # a sweep that never reported that row: it comes from the owner's runs.csv alone
+    fresh = load_sweep(
+        _sweep_file(
+            tmp_path / "fresh.yaml",
+            out=str(tmp_path / "fresh"),
+            grid={"lr": [0.001]},
+            baseline_from=reference,
+        )
+    )
+    for seed in fresh.seeds:
+        run_dir = tmp_path / "other" / "runs" / "lr-0.001" / f"seed{seed}"
+        shutil.copytree(run_dir, fresh.run_dir(fresh.cells[0], seed))
+    report = run_sweep(fresh, progress=False)
+    assert "has not finished" not in caplog.text and report.skipped == 3
+    assert _without_wall_time((tmp_path / "fresh" / "table.csv").read_text()) == first
+    # with no record either, the seeds are named as not finished
+    (tmp_path / "owner" / "runs.csv").unlink()
+    shutil.rmtree(tmp_path / "fresh")
+    for seed in fresh.seeds:
+        run_dir = tmp_path / "other" / "runs" / "lr-0.001" / f"seed{seed}"
+        shutil.copytree(run_dir, fresh.run_dir(fresh.cells[0], seed))
+    run_sweep(fresh, progress=False)
+    assert "has not finished seeds [0, 1, 2]" in caplog.text
 
 
 def test_a_broken_baseline_run_is_named_as_the_other_sweeps_to_mend(tmp_path, fake_runs):
