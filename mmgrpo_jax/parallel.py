@@ -1,6 +1,6 @@
 """A run's devices and processes: the mesh from the config, and what crosses process boundaries.
 
-DESIGN section 9. One (data, fsdp, tensor) mesh over every device of every process; training
+docs/design.md#scale. One (data, fsdp, tensor) mesh over every device of every process; training
 rows split over data x fsdp, parameters by models.sharding's rules. Several processes are one
 JAX runtime (`jax.distributed`): each samples its share of a step's examples with an engine on
 its own devices, the step's trajectories are gathered to every process (so every process builds
@@ -39,7 +39,7 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """The device mesh (DESIGN section 9): training rows and sampler requests split over
+    """The device mesh (docs/design.md#scale): training rows and sampler requests split over
     data x fsdp, parameters by the partition rules of models.sharding, heads over tensor."""
 
     data: int | None = None  # null: every device the fsdp and tensor axes leave

@@ -1,11 +1,11 @@
-"""`generate`: sample a completion for every prompt at once (DESIGN section 6).
+"""`generate`: sample a completion for every prompt at once (docs/design.md#models).
 
 There is one sampler, the slot pool (`slot_pool.py`): `generate` admits every request to a pool
 of its own at once (prefill, in chunks when asked, then one decode call), and the continuous
 engine admits requests to a long-lived pool as they come. Both compile the same bucketed shapes
 (`shapes`) and a row draws the same tokens either way: token i of a row comes from
 fold_in(row key, i), so a row's sample depends on its key, prompt and settings, not on which
-other rows share its pass (DESIGN section 9). A row's temperature, top-k, top-p and token
+other rows share its pass (docs/design.md#determinism). A row's temperature, top-k, top-p and token
 budget are traced values: changing them recompiles nothing, except where a change turns a filter
 on or off for the whole pass (greedy vs sampled, top-k or top-p in use) or moves `max_new_tokens`
 to another `decode_steps` bucket.

@@ -1,6 +1,7 @@
-"""The sampler's device side: a pool of KV-cache rows and two jitted passes over it (DESIGN
-sections 6 and 10). It is the only sampler: the continuous engine admits requests to a long-lived
-pool as they come, and `sampling.generate` admits a whole batch at once to a pool of its own.
+"""The sampler's device side: a pool of KV-cache rows and two jitted passes over it
+(docs/design.md#models and #engine). It is the only sampler: the continuous engine admits
+requests to a long-lived pool as they come, and `sampling.generate` admits a whole batch at once
+to a pool of its own.
 
 Row r of the pool holds one sequence from slot 0 on: its prompt (the first part possibly copied
 from another row that holds the same prefix), then its sampled tokens; RoPE positions are slots.

@@ -1,8 +1,9 @@
 """How a row draws its next token: temperature, top-k and top-p per row, from the row's own key.
 
 Every row of a pass carries its own settings, so requests with different settings share a pass
-and a row draws exactly what it would draw alone (DESIGN section 9). The log-prob reported is the
-log-softmax of the logits over the temperature (T = 1 when greedy), over the full vocabulary.
+and a row draws exactly what it would draw alone (docs/design.md#determinism). The log-prob
+reported is the log-softmax of the logits over the temperature (T = 1 when greedy), over the
+full vocabulary.
 """
 
 from __future__ import annotations

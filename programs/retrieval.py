@@ -56,7 +56,7 @@ def file_sha256(path: Path) -> str:
 
 
 class BM25Retriever:
-    """BM25 (k1 0.9, b 0.4: DESIGN section 7) with English stopwords, via `bm25s`."""
+    """BM25 (k1 0.9, b 0.4: docs/design.md#programs) with English stopwords, via `bm25s`."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""The mesh from the config (DESIGN section 9): sharded training equals one device."""
+"""The mesh from the config (docs/design.md#scale): sharded training equals one device."""
 
 import json
 import logging

@@ -230,8 +230,8 @@ def test_a_batch_over_the_cache_budget_is_split_into_independent_calls(model):
 
 
 def test_a_row_samples_the_same_tokens_whatever_shares_its_batch(model):
-    """Per-request keys (DESIGN section 9): a request's sample depends on its key, not on the
-    batch it lands in, its position there, or the batch's padded size."""
+    """Per-request keys (docs/design.md#determinism): a request's sample depends on its key, not
+    on the batch it lands in, its position there, or the batch's padded size."""
     keys = jnp.stack([sampling.path_key(7, (3, e, 1, 0)) for e in range(len(PROMPTS))])
     together = generate(model, PROMPTS, max_new_tokens=10, temperature=1.0, keys=keys)
     for i in (0, 3):

@@ -1,4 +1,4 @@
-"""The rollout-engine protocol: what the trainer needs from any sampler (DESIGN section 10).
+"""The rollout-engine protocol: what the trainer needs from any sampler (docs/design.md#engine).
 
 A rollout's LM calls become `Request`s; an engine answers each with the sampled ids, their
 log-probs and a finish reason. After every update the trainer hands the engine the new trainable

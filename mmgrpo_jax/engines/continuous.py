@@ -1,12 +1,12 @@
 """The continuous-batching JAX engine: a fixed pool of sequence slots that requests join and
-leave between short decode calls (DESIGN section 10).
+leave between short decode calls (docs/design.md#engine).
 
 One dispatcher thread loops: queued requests take free slots (their prompts prefilled in one
 pass, sharing any prefix another slot already holds), then every live slot decodes
 `decode_steps` tokens in one jitted call, and each finished row goes back to its caller at once,
 so its program moves on to its next module while the others keep decoding. Requests with
 different sampling settings share a pass (every row carries its own temperature, top-k, top-p,
-token budget and key). Keys come from the request (DESIGN section 9), so a sample does not
+token budget and key). Keys come from the request (docs/design.md#determinism), so a sample does not
 depend on which requests it was scheduled with, or when: the engine returns what sampling each
 request alone would.
 

@@ -7,7 +7,7 @@
 * `DSPyProgram`: a `dspy.Module` as a program of this project. In a rollout, every call of every
   predictor (named as DSPy's `named_predictors()` names it) goes into the rollout's trace with
   its messages, prompt and completion ids, sampler log-probs and invocation index; a reply DSPy's
-  adapter cannot parse is a format failure, an exception an error (DESIGN section 5).
+  adapter cannot parse is a format failure, an exception an error (docs/design.md#grouping).
 * `dspy_metric`, `from_dspy_examples`: DSPy's metrics and examples as the trainer takes them.
 
 `MMGRPO.compile` takes a `dspy.Module`, `dspy.Example`s and a DSPy metric directly (`train`).

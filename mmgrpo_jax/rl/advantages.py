@@ -1,4 +1,4 @@
-"""Group-relative advantages as one jitted segment-reduction kernel (DESIGN section 4).
+"""Group-relative advantages as one jitted segment-reduction kernel (docs/design.md#losses).
 
 A_i = (r_i - mean_g r) / (std_g r + eps), std with Bessel's correction, matching TRL. Inputs are
 padded to a fixed size N so a run compiles once per bucket: group ids live in [0, N) and -1

@@ -1,4 +1,5 @@
-"""Training rows from groups, and the one `Batch` pytree the jitted step scans (DESIGN 3-4).
+"""Training rows from groups, and the one `Batch` pytree the jitted step scans
+(docs/design.md#architecture).
 
 A row is one (prompt, completion) pair from a trace: the exact sampled token ids, never text
 re-rendered from parsed fields. Every row carries a unit id: the sequence it belongs to in the

@@ -1,6 +1,6 @@
 """GRPO groups from trajectories: module-level (the k-th call of each module) or trajectory-level.
 
-DESIGN section 5. Module-level, per example e and module p: collect p's calls per rollout in
+docs/design.md#grouping. Module-level, per example e and module p: collect p's calls per rollout in
 invocation order, align the lists across rollouts, make group k from the k-th calls, pad a short
 group to the configured G by repeating its members in order, optionally pick K diverse members.
 Every member keeps the reward of the trajectory it came from.

@@ -1,4 +1,4 @@
-"""Policy-gradient losses: per-token objectives and their aggregations (DESIGN section 4).
+"""Policy-gradient losses: per-token objectives and their aggregations (docs/design.md#losses).
 
 A variant is one per-token function with the shared signature `(cfg, TokenInputs) -> TokenTerms`
 plus the name of its aggregation, registered with `register_loss`; an aggregation is one
@@ -395,7 +395,7 @@ def policy_loss(
     batch: Any = None,
     sampler_logps: jax.Array | None = None,  # [B, T] the sampler's; the off-policy mask's input
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The loss to minimise and its metrics, DESIGN section 4.
+    """The loss to minimise and its metrics, docs/design.md#losses.
 
     `unit_ids` say which rows form one sequence unit of the aggregation (rows sharing an id are
     one unit, e.g. a trajectory in trajectory-level mmGRPO; all of a unit's rows must be in this

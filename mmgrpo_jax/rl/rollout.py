@@ -1,6 +1,6 @@
 """Rollouts: run each example G times, concurrently, and score every trajectory.
 
-DESIGN section 5: a parse failure gets `format_failure_score`, a program or metric exception
+docs/design.md#grouping: a parse failure gets `format_failure_score`, a program or metric exception
 gets `failure_score`; neither stops the run, both keep the calls made so far, and both are
 counted in `summarize` and logged. Nothing is dropped: every (example, rollout) pair comes back.
 """
@@ -95,7 +95,7 @@ def run_trajectory(
             return ended("format_failure", format_failure_score, _describe(err))
         except Exception as err:
             return ended("error", failure_score, f"program raised {_describe(err)}")
-    # A parse failure the program caught itself still marks the trajectory (DESIGN section 5).
+    # a parse failure the program caught itself still marks the trajectory (docs/design.md#grouping)
     failed = [c for c in trace.calls if not c.parsed]
     if failed:
         first = failed[0]

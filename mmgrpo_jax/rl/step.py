@@ -1,4 +1,5 @@
-"""The jitted policy update and the log-prob pass, as pure functions of named state (DESIGN 3-4).
+"""The jitted policy update and the log-prob pass, as pure functions of named state
+(docs/design.md#architecture).
 
 One jitted step scans the `Batch`'s micro-batches, accumulates gradients of the trainable
 parameters (LoRA, or everything for tiny from-scratch models) and applies one optax update.

@@ -119,7 +119,7 @@ class SamplerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryConfig:
-    """What the policy recomputes instead of keeping (DESIGN section 9). The defaults are the
+    """What the policy recomputes instead of keeping (docs/design.md#scale). The defaults are the
     reference paths, right for tiny models; an 8B policy at 8k context needs blockwise
     attention, remat and the two chunks (`mmgrpo plan` shows each one's effect)."""
 

@@ -495,7 +495,7 @@ class MMGRPO:
         self.log: RunLogger | None = None
         self.summary: dict[str, Any] | None = None  # summary.json's content, after compile
 
-    # -- the public entry point: DESIGN section 3 ----------------------------------------------
+    # -- the public entry point: docs/design.md#architecture ------------------------------------
     def compile(self, program: Any, trainset: Sequence[Any], valset: Sequence[Any] = ()) -> Any:
         """Train the policy behind `program`'s predictors. Each step is rollouts -> groups ->
         advantages -> rows (`_rollouts`), then update -> weight sync (`_learn`); what makes the

@@ -4,7 +4,7 @@ Nothing is allocated: the model is built with `nnx.eval_shape`, the inputs are
 `jax.ShapeDtypeStruct`s at the config's real shapes (a micro-batch of the longest rows the sampler
 can produce; a full sampler batch of the longest prompts), and XLA's own buffer assignment
 (`compiled.memory_analysis()`) says what each program needs. `mmgrpo plan` prints it; `mmgrpo
-train` runs it before reading weights and refuses a run that cannot fit (DESIGN section 9).
+train` runs it before reading weights and refuses a run that cannot fit (docs/design.md#scale).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Multi-host (DESIGN section 9): `mmgrpo demo` as 2 processes x 4 devices trains like 1 x 8.
+"""Multi-host (docs/design.md#scale): `mmgrpo demo` as 2 processes x 4 devices trains like 1 x 8.
 
 Real processes on 127.0.0.1, each with its own fake CPU devices, joined by jax.distributed.
 """

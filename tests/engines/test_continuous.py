@@ -1,4 +1,5 @@
-"""The continuous engine returns what one-request-at-a-time sampling returns (DESIGN 9, 10)."""
+"""The continuous engine returns what one-request-at-a-time sampling returns
+(docs/design.md#determinism)."""
 
 import dataclasses
 import time

@@ -15,7 +15,7 @@ N = 64  # the fixed padded size every hypothesis case uses
 
 
 def reference(rewards, ids, scale, eps):
-    """DESIGN section 4 restated in float64 with explicit loops."""
+    """docs/design.md#losses restated in float64 with explicit loops."""
     rewards, ids = np.asarray(rewards, np.float64), np.asarray(ids)
     finite = (ids >= 0) & np.isfinite(rewards)
     out = np.zeros(len(rewards))

@@ -161,8 +161,8 @@ def test_flatten_rewards_numbers_groups_in_order():
 
 
 def test_groups_pad_to_the_configured_group_size_not_to_the_trajectories_given():
-    """DESIGN section 5: two of G=4 rollouts reached grouping; every group still has G members,
-    padded by repeating its own members in order (the DSPy cross-check's finding)."""
+    """docs/design.md#grouping: two of G=4 rollouts reached grouping; every group still has G
+    members, padded by repeating its own members in order (the DSPy cross-check's finding)."""
     short = rollouts()[:2]  # rollouts 0 and 1: A once each, B once and twice
     groups = module_level_groups(short, align="ragged", num_rollouts=4)
     names = [[m.calls[0].completion for m in g.members] for g in groups]

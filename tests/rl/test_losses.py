@@ -30,7 +30,7 @@ def config(variant, **kwargs):
 
 
 def reference(cfg, logps, old, adv, mask, ref=None, tids=None, num_sequences=None, sampler=None):
-    """DESIGN section 4 (TRL 1.16's _compute_loss) token by token, with explicit loops; masked
+    """docs/design.md#losses (TRL 1.16's _compute_loss) token by token, with explicit loops; masked
     entries are never read."""
     e, eh = cfg.epsilon, cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
     if tids is not None:
