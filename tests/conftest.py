@@ -22,6 +22,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+# A shell starts a background job with SIGINT ignored (`make test &`), and an ignored signal
+# stays ignored for Python and for every command a test starts: the signal tests would see
+# nothing. Ctrl-C as an interactive run has it, whatever started the suite.
+import signal  # noqa: E402
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 import pytest  # noqa: E402
 
 from tests.paper_data import ENV_VAR, LOCAL_DATA  # noqa: E402
