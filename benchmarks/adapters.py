@@ -24,7 +24,7 @@ from update_profile import rows_of_one_step
 from mmgrpo_jax.rl.batch import pack_rows
 from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.rl.step import make_train_step, split_for_training
-from mmgrpo_jax.sampling import generate
+from mmgrpo_jax.sampler.generate import generate
 from mmgrpo_jax.trainer.config import OptimConfig
 from models.hf import load_checkpoint
 from models.lora import LoRAConfig

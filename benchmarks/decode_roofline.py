@@ -169,7 +169,7 @@ def sampler_share(args: argparse.Namespace, ceilings: dict[int, float]) -> None:
     prefill and the first token)."""
     import time
 
-    from mmgrpo_jax.sampling import generate
+    from mmgrpo_jax.sampler.generate import generate
     from models.hf import load_checkpoint
     from models.tokenizer import chat_prompt_ids
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmgrpo_jax.sampling import generate, request_slots
+from mmgrpo_jax.sampler.generate import generate, request_slots
 from models.config import ModelConfig
 from models.decoder import Decoder
 

@@ -30,7 +30,7 @@ from flax import nnx
 from mmgrpo_jax.config_files import build_config, config_tree
 from mmgrpo_jax.rl.batch import PackShape, Row, pack_rows
 from mmgrpo_jax.rl.step import make_train_step, split_for_training
-from mmgrpo_jax.sampling import generate, request_slots
+from mmgrpo_jax.sampler.generate import generate, request_slots
 from mmgrpo_jax.trainer.config import MMGRPOConfig
 from mmgrpo_jax.trainer.mmgrpo import MMGRPO
 from mmgrpo_jax.trainer.plan import plan_memory

@@ -27,7 +27,7 @@ import transformers
 
 from mmgrpo_jax.engines.base import Request, Sampling
 from mmgrpo_jax.engines.continuous import ContinuousEngine
-from mmgrpo_jax.sampling import generate
+from mmgrpo_jax.sampler.generate import generate
 from models.hf import from_pretrained, load_checkpoint
 from models.tokenizer import chat_prompt_ids
 

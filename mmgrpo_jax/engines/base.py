@@ -3,9 +3,10 @@
 A rollout's LM calls become `Request`s; an engine answers each with the sampled ids, their
 log-probs and a finish reason. After every update the trainer hands the engine the new trainable
 parameters with `update_weights`, which must validate them (tree structure, shapes, dtypes) and
-raise naming the first mismatch; the engine never reads a model the trainer mutates. `state_dict`
-/ `load_state_dict` carry what an exact resume needs (a sampling counter, say). The JAX engine is
-one implementation; a wrapper around vLLM or SGLang serving the LoRA adapter would be another.
+raise naming the first mismatch (`engines.local.check_weights` does); the engine never reads a
+model the trainer mutates. `state_dict` / `load_state_dict` carry what an exact resume needs (a
+sampling counter, say). The JAX engine is one implementation; a wrapper around vLLM or SGLang
+serving the LoRA adapter would be another. This module imports no JAX.
 """
 
 from __future__ import annotations
@@ -13,14 +14,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+from mmgrpo_jax.sampler.types import Completion, Request, Sampling
 
-from mmgrpo_jax.sampling import Completion
+if TYPE_CHECKING:  # the protocol names the weights' type; an engine that takes them imports it
+    from flax import nnx
 
 __all__ = [
     "Completion",
@@ -28,30 +27,7 @@ __all__ = [
     "Request",
     "RolloutEngine",
     "Sampling",
-    "check_weights",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """Per-request sampling settings; temperature 0 is greedy."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    prompt_ids: tuple[int, ...]
-    sampling: Sampling
-    order: tuple[int, ...] | None = None  # (example, rollout, call) inside a rollout
-    # (step, example, rollout, call) in a training rollout: the sampling key is derived from it
-    # and the engine's seed, so a sample does not depend on batch composition, timing, the
-    # number of processes or resumption; None draws from the engine's own stream
-    key_path: tuple[int, ...] | None = None
-    adapter: int = 0  # the LoRA adapter that serves it: its module's (per-module adapters)
 
 
 @dataclasses.dataclass
@@ -128,53 +104,3 @@ class RolloutEngine(Protocol):
     def close_client(self) -> None: ...
 
     def close(self) -> None: ...
-
-
-def check_weights(current: nnx.State, new: nnx.State) -> None:
-    """Raise a ValueError naming the first path whose presence, shape or dtype differs, or
-    whose values are not all finite (an engine never samples from NaN weights)."""
-    have = dict(nnx.to_flat_state(current))
-    got = dict(nnx.to_flat_state(new))
-
-    def name(path: tuple) -> str:
-        return ".".join(str(p) for p in path)
-
-    for path in sorted(set(have) | set(got), key=name):
-        if path not in got:
-            raise ValueError(f"update_weights: missing parameter {name(path)!r}")
-        if path not in have:
-            raise ValueError(f"update_weights: unexpected parameter {name(path)!r}")
-        if type(have[path]) is not type(got[path]) and not isinstance(got[path], jax.Array):
-            raise ValueError(
-                f"update_weights: {name(path)!r} is a {type(got[path]).__name__}, the engine's is "
-                f"a {type(have[path]).__name__}"
-            )
-        want, value = _array(have[path]), _array(got[path])
-        if want.shape != value.shape:
-            raise ValueError(
-                f"update_weights: {name(path)!r} has shape {tuple(value.shape)}, the engine's has "
-                f"{tuple(want.shape)}"
-            )
-        if want.dtype != value.dtype:
-            raise ValueError(
-                f"update_weights: {name(path)!r} has dtype {value.dtype}, the engine's has "
-                f"{want.dtype}"
-            )
-    floating = [p for p in got if jnp.issubdtype(_array(got[p]).dtype, jnp.inexact)]
-    # one transfer for the whole tree
-    finite = jax.device_get(_all_finite([_array(got[p]) for p in floating]))
-    bad = sorted((p for p, ok in zip(floating, finite, strict=True) if not ok), key=name)
-    if bad:
-        raise ValueError(
-            f"update_weights: {name(bad[0])!r} has non-finite values ({len(bad)} parameter(s) "
-            "do); the engine keeps its weights"
-        )
-
-
-@jax.jit
-def _all_finite(arrays: list[jax.Array]) -> list[jax.Array]:
-    return [jnp.all(jnp.isfinite(array)) for array in arrays]
-
-
-def _array(leaf: Any) -> jax.Array | np.ndarray:
-    return leaf.get_value() if hasattr(leaf, "get_value") else leaf

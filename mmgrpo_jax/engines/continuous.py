@@ -36,8 +36,8 @@ from jax.sharding import Mesh
 
 from mmgrpo_jax.engines.base import Completion, Request
 from mmgrpo_jax.engines.local import LocalEngine, Pending, schedule_order
-from mmgrpo_jax.sampling import check_arguments
-from mmgrpo_jax.slot_pool import DecodeRows, RowSampling, SlotPool
+from mmgrpo_jax.sampler.generate import check_arguments
+from mmgrpo_jax.sampler.slot_pool import DecodeRows, RowSampling, SlotPool
 from models.decoder import Decoder
 
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per prefill pass: widths 16 ... 256 only

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from mmgrpo_jax.engines.base import Sampling
 from mmgrpo_jax.engines.local import LocalEngine, Pending, schedule_order
-from mmgrpo_jax.sampling import generate, path_key, row_keys
+from mmgrpo_jax.sampler.generate import generate, path_key, row_keys
 from models.decoder import Decoder
 
 
@@ -45,7 +45,7 @@ class JaxEngine(LocalEngine):
         """`trainable` filters the part `update_weights` replaces (default: the LoRA parameters
         of a model with an adapter, else every parameter); `prefill_chunk` > 0 prefills long
         prompts that many tokens at a time; `max_cache_tokens` splits a dispatch whose padded
-        rows x cache slots exceed it into several sampler calls (`sampling.generate`)."""
+        rows x cache slots exceed it into several sampler calls (`sampler.generate.generate`)."""
         super().__init__(
             model,
             stop_token_ids=stop_token_ids,

@@ -20,10 +20,12 @@ from concurrent.futures import Future
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from mmgrpo_jax.engines.base import EngineStats, Request, check_weights
-from mmgrpo_jax.sampling import path_key, row_keys
+from mmgrpo_jax.engines.base import EngineStats, Request
+from mmgrpo_jax.sampler.generate import path_key, row_keys
 from models.decoder import Decoder
 
 
@@ -176,3 +178,53 @@ class LocalEngine:
         for p in pending:
             if not p.future.done():
                 p.future.set_exception(err)
+
+
+def check_weights(current: nnx.State, new: nnx.State) -> None:
+    """Raise a ValueError naming the first path whose presence, shape or dtype differs, or
+    whose values are not all finite (an engine never samples from NaN weights)."""
+    have = dict(nnx.to_flat_state(current))
+    got = dict(nnx.to_flat_state(new))
+
+    def name(path: tuple) -> str:
+        return ".".join(str(p) for p in path)
+
+    for path in sorted(set(have) | set(got), key=name):
+        if path not in got:
+            raise ValueError(f"update_weights: missing parameter {name(path)!r}")
+        if path not in have:
+            raise ValueError(f"update_weights: unexpected parameter {name(path)!r}")
+        if type(have[path]) is not type(got[path]) and not isinstance(got[path], jax.Array):
+            raise ValueError(
+                f"update_weights: {name(path)!r} is a {type(got[path]).__name__}, the engine's is "
+                f"a {type(have[path]).__name__}"
+            )
+        want, value = _array(have[path]), _array(got[path])
+        if want.shape != value.shape:
+            raise ValueError(
+                f"update_weights: {name(path)!r} has shape {tuple(value.shape)}, the engine's has "
+                f"{tuple(want.shape)}"
+            )
+        if want.dtype != value.dtype:
+            raise ValueError(
+                f"update_weights: {name(path)!r} has dtype {value.dtype}, the engine's has "
+                f"{want.dtype}"
+            )
+    floating = [p for p in got if jnp.issubdtype(_array(got[p]).dtype, jnp.inexact)]
+    # one transfer for the whole tree
+    finite = jax.device_get(_all_finite([_array(got[p]) for p in floating]))
+    bad = sorted((p for p, ok in zip(floating, finite, strict=True) if not ok), key=name)
+    if bad:
+        raise ValueError(
+            f"update_weights: {name(bad[0])!r} has non-finite values ({len(bad)} parameter(s) "
+            "do); the engine keeps its weights"
+        )
+
+
+@jax.jit
+def _all_finite(arrays: list[jax.Array]) -> list[jax.Array]:
+    return [jnp.all(jnp.isfinite(array)) for array in arrays]
+
+
+def _array(leaf: Any) -> jax.Array | np.ndarray:
+    return leaf.get_value() if hasattr(leaf, "get_value") else leaf

@@ -19,7 +19,7 @@ import numpy as np
 
 from mmgrpo_jax.rl.grouping import Group, flatten_rewards
 from mmgrpo_jax.rl.registry import Registry
-from mmgrpo_jax.shapes import bucket
+from mmgrpo_jax.sampler.shapes import bucket
 
 
 @dataclasses.dataclass(frozen=True)

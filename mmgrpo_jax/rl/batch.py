@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmgrpo_jax.rl.grouping import Group
-from mmgrpo_jax.shapes import TOKEN_GRANULE, bucket, token_bucket
+from mmgrpo_jax.sampler.shapes import TOKEN_GRANULE, bucket, token_bucket
 
 # what a row's unit id groups: a grouping rule's "row" / "trajectory" (a group member), or a
 # loss_unit's "rollout" (a trajectory across groups) / "example"

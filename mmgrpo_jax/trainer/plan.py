@@ -23,10 +23,10 @@ from flax import nnx
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.rl.batch import Batch, PackShape, row_length_bucket
 from mmgrpo_jax.rl.step import FrozenWeights, TrainState, make_train_step
-from mmgrpo_jax.sampling import decode_steps, request_slots, rows_within_budget
-from mmgrpo_jax.shapes import row_bucket, token_bucket
-from mmgrpo_jax.slot_pool import RowSampling, decode_pass, extend_pass
-from mmgrpo_jax.token_sampling import RowFilters
+from mmgrpo_jax.sampler.generate import decode_steps, request_slots, rows_within_budget
+from mmgrpo_jax.sampler.shapes import row_bucket, token_bucket
+from mmgrpo_jax.sampler.slot_pool import RowSampling, decode_pass, extend_pass
+from mmgrpo_jax.sampler.token_sampling import RowFilters
 from mmgrpo_jax.trainer.config import MMGRPOConfig
 from models.config import ModelConfig
 from models.decoder import Decoder

@@ -10,13 +10,13 @@ import pytest
 
 from mmgrpo_jax.engines.base import Request, RolloutEngine, Sampling
 from mmgrpo_jax.engines.continuous import ContinuousEngine
-from mmgrpo_jax.sampling import generate, path_key
+from mmgrpo_jax.sampler.generate import generate, path_key
 from mmgrpo_jax.testing import tiny_decoder
 from models.hf import from_pretrained
 from models.lora import LoRAConfig
 from tests.models.hf_fixtures import VOCAB, load_hf
 from tests.models.test_lora import perturb, single_adapter
-from tests.test_sampling import hf_greedy
+from tests.sampler.test_generate import hf_greedy
 
 STOP = 3
 RNG = np.random.default_rng(0)

@@ -11,7 +11,7 @@ from mmgrpo_jax.engines.jax_engine import JaxEngine
 from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.program import Example, Module, Predict, record_trace
 from mmgrpo_jax.rl.rollout import run_rollouts
-from mmgrpo_jax.sampling import generate
+from mmgrpo_jax.sampler.generate import generate
 from mmgrpo_jax.testing import tiny_decoder
 from models.lora import LoRAConfig
 from models.tokenizer import chat_prompt_ids, train_bpe_tokenizer

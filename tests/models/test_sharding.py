@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from mmgrpo_jax.sampling import generate
+from mmgrpo_jax.sampler.generate import generate
 from models.hf import from_pretrained
 from models.lora import LoRAConfig
 from models.sharding import make_mesh, param_sharding, param_spec, shard_model

@@ -18,7 +18,7 @@ import transformers
 from flax import nnx
 from safetensors.numpy import load_file
 
-from mmgrpo_jax.sampling import generate
+from mmgrpo_jax.sampler.generate import generate
 from models.export import ADAPTER_WEIGHTS, save_peft_adapter
 from models.fetch import fetched
 from models.hf import load_checkpoint

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from mmgrpo_jax.rl import advantages
 from mmgrpo_jax.rl.advantages import MIN_ROWS_BUCKET, advantages_for_groups, group_advantages
 from mmgrpo_jax.rl.grouping import Group, GroupMember
-from mmgrpo_jax.shapes import bucket
+from mmgrpo_jax.sampler.shapes import bucket
 
 N = 64  # the fixed padded size every hypothesis case uses
 

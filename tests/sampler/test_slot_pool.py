@@ -3,9 +3,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmgrpo_jax.sampling import generate, row_keys
-from mmgrpo_jax.slot_pool import RowSampling, SlotPool, decode_pass, extend_pass
-from mmgrpo_jax.token_sampling import RowFilters
+from mmgrpo_jax.sampler.generate import generate, row_keys
+from mmgrpo_jax.sampler.slot_pool import RowSampling, SlotPool, decode_pass, extend_pass
+from mmgrpo_jax.sampler.token_sampling import RowFilters
 from models.attention import AttentionConfig
 from models.hf import from_pretrained
 from tests.models.hf_fixtures import VOCAB

@@ -13,10 +13,8 @@ to another `decode_steps` bucket.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -24,19 +22,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from mmgrpo_jax.shapes import cache_bucket, row_bucket, token_bucket
-from mmgrpo_jax.slot_pool import DecodeRows, RowSampling, SlotPool
-from mmgrpo_jax.token_sampling import fold_in_rows
+from mmgrpo_jax.sampler.shapes import cache_bucket, row_bucket, token_bucket
+from mmgrpo_jax.sampler.slot_pool import DecodeRows, RowSampling, SlotPool
+from mmgrpo_jax.sampler.token_sampling import fold_in_rows
+from mmgrpo_jax.sampler.types import Completion
 from models.config import ModelConfig
 from models.decoder import Decoder
 from models.sharding import batch_multiple
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]  # log-softmax of logits / temperature (T=1 when greedy), full vocab
-    finish_reason: Literal["stop", "length"]
 
 
 def check_arguments(

@@ -1,4 +1,4 @@
-from mmgrpo_jax.shapes import cache_bucket, row_bucket, token_bucket
+from mmgrpo_jax.sampler.shapes import cache_bucket, row_bucket, token_bucket
 
 
 def test_buckets_are_powers_of_two_then_multiples_past_the_granule():

@@ -1,6 +1,6 @@
 """The sampler's device side: a pool of KV-cache rows and two jitted passes over it
 (docs/design.md#models and #engine). It is the only sampler: the continuous engine admits
-requests to a long-lived pool as they come, and `sampling.generate` admits a whole batch at once
+requests to a long-lived pool as they come, and `generate` admits a whole batch at once
 to a pool of its own.
 
 Row r of the pool holds one sequence from slot 0 on: its prompt (the first part possibly copied
@@ -30,8 +30,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from mmgrpo_jax.shapes import cache_bucket, row_bucket, token_bucket
-from mmgrpo_jax.token_sampling import RowFilters, fold_in_rows, sample_rows
+from mmgrpo_jax.sampler.shapes import cache_bucket, row_bucket, token_bucket
+from mmgrpo_jax.sampler.token_sampling import RowFilters, fold_in_rows, sample_rows
 from models.attention import AttentionMask
 from models.decoder import Decoder, KVCache
 from models.sharding import batch_multiple, cache_sharding

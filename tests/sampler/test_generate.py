@@ -7,9 +7,10 @@ import pytest
 import torch
 from flax import nnx
 
-from mmgrpo_jax import sampling, slot_pool
-from mmgrpo_jax.sampling import generate
-from mmgrpo_jax.shapes import bucket
+from mmgrpo_jax.sampler import generate as sampling
+from mmgrpo_jax.sampler import slot_pool
+from mmgrpo_jax.sampler.generate import generate
+from mmgrpo_jax.sampler.shapes import bucket
 from models.attention import AttentionConfig
 from models.config import ModelConfig
 from models.decoder import Decoder
