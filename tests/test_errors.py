@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from mmgrpo_jax import LossConfig, MMGRPOConfig, OptimConfig, SamplerConfig
-from mmgrpo_jax.cli.demo import DemoConfig
+from mmgrpo_jax.commands.demo import DemoConfig
 from programs.tasks import TaskConfig
 
 

@@ -2,7 +2,10 @@
 comment, a config or a script names is a page here with that section, and nothing names a design
 file outside the repository."""
 
+import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +79,98 @@ def test_nothing_cites_a_design_file_outside_the_repository():
         if outside.search(line)
     ]
     assert not offenders, f"design references outside the repository: {offenders}"
+
+
+# The packages from the bottom up, as docs/layout.md lists them: a module imports only from its
+# own package and the ones before it (`mmgrpo_jax` is the package root, its first names).
+LAYERS = (
+    "models",
+    "mmgrpo_jax.errors",
+    "mmgrpo_jax.config_files",
+    "mmgrpo_jax.program",
+    "mmgrpo_jax.sampler",
+    "mmgrpo_jax.engines",
+    "mmgrpo_jax.rl",
+    "mmgrpo_jax.parallel",
+    "mmgrpo_jax.prompt_opt",
+    "mmgrpo_jax.testing",
+    "programs",
+    "mmgrpo_jax.interop",
+    "mmgrpo_jax.trainer",
+    "mmgrpo_jax",
+    "mmgrpo_jax.commands",
+    "mmgrpo_jax.sweep",
+    "mmgrpo_jax.cli",
+)
+PACKAGES = ("mmgrpo_jax", "models", "programs")
+
+
+def layer_of(module: str) -> str | None:
+    """The layer a dotted module name belongs to (None: not this project's)."""
+    parts = module.split(".")
+    if parts[0] not in PACKAGES:
+        return None
+    if parts[0] != "mmgrpo_jax":
+        return parts[0]
+    return module if len(parts) == 1 else ".".join(parts[:2])
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import in a file, in functions and TYPE_CHECKING blocks too;
+    `from pkg import name` counts as `pkg.name` where that is a module of this project."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = REPO.joinpath(*node.module.split("."), alias.name)
+                is_module = sub.with_suffix(".py").is_file() or sub.is_dir()
+                found.append(
+                    (node.lineno, f"{node.module}.{alias.name}" if is_module else node.module)
+                )
+    return found
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_layer_of_reads_packages_and_the_root():
+    assert layer_of("mmgrpo_jax.sampler.generate") == "mmgrpo_jax.sampler"
+    assert layer_of("mmgrpo_jax") == "mmgrpo_jax" and layer_of("models.hf") == "models"
+    assert layer_of("jax.numpy") is None
+
+
+def test_no_module_imports_from_a_package_above_it():
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    upward = []
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            here = layer_of(_module_name(path))
+            assert here in rank, f"{path.relative_to(REPO)}: package {here} is not in LAYERS"
+            for line, module in imports_of(path):
+                there = layer_of(module)
+                if there is not None and rank[there] > rank[here]:
+                    upward.append(f"{path.relative_to(REPO)}:{line} ({here}) imports {module}")
+    assert not upward, "imports from a package above:\n" + "\n".join(upward)
+
+
+def test_the_layers_are_the_ones_docs_layout_lists():
+    text = (REPO / "docs" / "layout.md").read_text()
+    listed = re.search(r"from the bottom up: (.+?)\.\n", text, re.S)
+    assert listed, "docs/layout.md names the layers from the bottom up"
+    names = [n.strip(" `\n") for n in listed.group(1).replace("\n", " ").split(",")]
+    assert tuple(names) == LAYERS
+
+
+def test_the_engine_protocol_and_the_program_layer_load_no_jax():
+    code = (
+        "import sys; import mmgrpo_jax.engines.base, mmgrpo_jax.program, mmgrpo_jax.sampler.types;"
+        "print(sorted(m for m in ('jax', 'numpy', 'flax') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"

@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
-from mmgrpo_jax.cli.groups_demo import GroupsDemoConfig, run_demo
+from mmgrpo_jax.commands.groups_demo import GroupsDemoConfig, run_demo
 from mmgrpo_jax.rl.rollout import quiet_failure_warnings
 
 EXAMPLE = 1  # the demo's example whose rollouts make 1, 2 and 3 hops

@@ -10,15 +10,15 @@ is a bug and shows its full traceback.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import json
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from collections.abc import Sequence
+from typing import Any
 
+from mmgrpo_jax.commands import COMMANDS, SWEEP_COMMANDS
 from mmgrpo_jax.config_files import load_config
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.sweep.child import die_with_parent
@@ -26,10 +26,16 @@ from mmgrpo_jax.trainer.interrupt import Interrupted, StopSignals, exit_code
 from models.config import CheckpointError
 
 
-def _config_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    what = COMMANDS[parser.prog.split()[-1]].config
     parser.add_argument("--config", help=f"YAML file with {what} fields")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="field overrides")
     parser.add_argument("-h", "--help", action=_HelpWithKeys, help="this help, with every key")
+
+
+def _config_command(commands: Any, name: str) -> argparse.ArgumentParser:
+    """A subparser for a registry command, with the registry's help line."""
+    return commands.add_parser(name, help=COMMANDS[name].help, add_help=False)
 
 
 class _HelpWithKeys(argparse.Action):
@@ -69,47 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
     """Every command and option (also what the documentation's CLI reference is made of)."""
     parser = argparse.ArgumentParser(prog="mmgrpo", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser(
-        "demo",
-        help="train a tiny policy from scratch with mmGRPO on a CPU testbed (default two_doors)",
-        add_help=False,
-    )
+    demo = _config_command(commands, "demo")
     demo.add_argument("--grouping", choices=("module", "trajectory"), help="the objective")
-    _config_arguments(demo, "DemoConfig")
-    groups = commands.add_parser(
-        "groups",
-        help="scripted rollouts of the synthetic program and the groups formed from them",
-        add_help=False,
-    )
-    _config_arguments(groups, "GroupsDemoConfig")
-    train = commands.add_parser(
-        "train",
-        help="mmGRPO on a paper task from a local checkpoint (experiments/configs/)",
-        add_help=False,
-    )
-    _config_arguments(train, "ExperimentConfig")
-    prompts = commands.add_parser(
-        "optimize-prompts",
-        help="MIPROv2 instructions and demos for a paper task (same configs as train)",
-        add_help=False,
-    )
+    _config_arguments(demo)
+    _config_arguments(_config_command(commands, "groups"))
+    _config_arguments(_config_command(commands, "train"))
+    prompts = _config_command(commands, "optimize-prompts")
     prompts.add_argument(
         "--dry-run",
         action="store_true",
         help="print the budget (program runs, prompt-model calls) and stop",
     )
-    _config_arguments(prompts, "ExperimentConfig")
-    together = commands.add_parser(
-        "better-together",
-        help="prompt and weight optimization in the order of `strategy` (same configs as train)",
-        add_help=False,
-    )
-    _config_arguments(together, "ExperimentConfig")
-    evaluate = commands.add_parser(
-        "eval",
-        help="greedy evaluation of a checkpoint (and adapter) on a task split",
-        add_help=False,
-    )
+    _config_arguments(prompts)
+    _config_arguments(_config_command(commands, "better-together"))
+    evaluate = _config_command(commands, "eval")
     evaluate.add_argument("--program", help="a registered task (task.name; `--help` lists them)")
     evaluate.add_argument(
         "--model", help="a checkpoint folder, a .gguf, or a fetched registry name (model_path)"
@@ -118,12 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", help="train | dev | test")
     evaluate.add_argument("--limit", help="first N examples of the split")
     evaluate.add_argument("--out", help="predictions JSONL path")
-    _config_arguments(evaluate, "EvalConfig")
-    plan = commands.add_parser(
-        "plan",
-        help="per-device memory of a train config's train step and sampler, before any weight",
-        add_help=False,
-    )
+    _config_arguments(evaluate)
+    plan = _config_command(commands, "plan")
     plan.add_argument("--config", help="a train config (experiments/configs/*.yaml)")
     plan.add_argument("--preset", help="model shape when model_path is not on disk (qwen3-8b)")
     plan.add_argument("--device-memory-gb", type=float, help="default: this machine's device")
@@ -158,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--command",
         dest="run_command",
-        help="what each run is: demo | train | better-together (default train)",
+        help=f"what each run is: {' | '.join(SWEEP_COMMANDS)} (default train)",
     )
     sweep.add_argument("--config", help="the command's YAML config (every run's base)")
     sweep.add_argument(
@@ -228,14 +203,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "models":
         return _models(args)
     overrides = [*args.overrides, *_flag_overrides(args)]
-    config_cls, run = _command(args.command)
+    command = COMMANDS[args.command]
+    config_cls, run = command.config_class(), command.main()
     try:
         if getattr(args, "dry_run", False):  # the budget only: no checkpoint needed, none read
-            from mmgrpo_jax.cli import experiment
+            from mmgrpo_jax.commands import experiment
 
             return experiment.dry_run_budget(args.config, overrides, sys.stdout)
         if args.command == "demo":  # resume=true: the run's own settings unless given
-            from mmgrpo_jax.cli import demo
+            from mmgrpo_jax.commands import demo
 
             overrides = [*demo.resume_overrides(args.config, overrides), *overrides]
         config = load_config(config_cls, args.config, overrides)
@@ -278,36 +254,7 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
 
 def command_config_class(name: str) -> type | None:
     """The config class whose keys `mmgrpo <name>` takes as key=value (None: it takes none)."""
-    if name == "plan":
-        from mmgrpo_jax.cli import experiment
-
-        return experiment.ExperimentConfig
-    if name in ("demo", "groups", "train", "optimize-prompts", "better-together", "eval"):
-        return _command(name)[0]
-    return None
-
-
-def _command(name: str) -> tuple[type, Callable[[Any, TextIO], int]]:
-    """A subcommand's config class and its `main(config, out)`."""
-    if name == "demo":
-        from mmgrpo_jax.cli import demo
-
-        return demo.DemoConfig, demo.main
-    if name == "groups":
-        from mmgrpo_jax.cli import groups_demo
-
-        return groups_demo.GroupsDemoConfig, groups_demo.main
-    if name in ("train", "optimize-prompts", "better-together", "eval"):
-        from mmgrpo_jax.cli import experiment
-
-        config_cls = experiment.EvalConfig if name == "eval" else experiment.ExperimentConfig
-        return config_cls, functools.partial(experiment.main, name)
-    raise AssertionError(f"unhandled command {name!r}")
-
-
-def command_config(name: str, path: str | None, overrides: Sequence[str]) -> Any:
-    """What `mmgrpo <name> --config path key=value ...` would run with (the sweep's check)."""
-    return load_config(_command(name)[0], path, overrides)
+    return COMMANDS[name].config_class() if name in COMMANDS else None
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -340,7 +287,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from mmgrpo_jax.cli.plan import PlanRequest, run
+    from mmgrpo_jax.commands.plan import PlanRequest, run
 
     request = PlanRequest(
         config=args.config,

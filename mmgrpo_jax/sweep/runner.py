@@ -26,6 +26,7 @@ from typing import IO, TextIO
 
 from tqdm import tqdm
 
+from mmgrpo_jax.commands import COMMANDS, SWEEP_COMMANDS, command_config
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.sweep.child import PARENT_ENV
 from mmgrpo_jax.sweep.report import (
@@ -36,7 +37,7 @@ from mmgrpo_jax.sweep.report import (
     recorded_runs,
     write_report,
 )
-from mmgrpo_jax.sweep.spec import COMMANDS, Cell, SweepConfig, identity_json
+from mmgrpo_jax.sweep.spec import Cell, SweepConfig, identity_json
 from mmgrpo_jax.trainer.config import (
     changed_keys,
     computes_the_same,
@@ -87,8 +88,6 @@ class _Child:
 def check_runs(config: SweepConfig) -> None:
     """Build every run's config in this process before anything starts, so a bad grid value
     is one error naming its cell, not N failed children."""
-    from mmgrpo_jax.cli import command_config
-
     for cell in config.cells:
         try:
             command_config(config.command, config.config, config.run_overrides(cell, 0))
@@ -236,7 +235,7 @@ def _describe(config: SweepConfig) -> dict:
 def _finished(config: SweepConfig, cell: Cell, seed: int) -> bool:
     summary = config.run_dir(cell, seed) / "summary.json"
     _check_identity(config, cell, seed)
-    key = COMMANDS[config.command].finished_key
+    key = SWEEP_COMMANDS[config.command].finished_key
     if key is None or not summary.is_file():
         return summary.is_file()
     try:
@@ -269,9 +268,7 @@ def _check_identity(config: SweepConfig, cell: Cell, seed: int) -> None:
 def _defaults(command: str) -> dict:
     """The command config's field defaults as settings: a field added since a run folder was
     made, at its default, does not make that run another setting."""
-    from mmgrpo_jax.cli import command_config_class  # the cli imports this module
-
-    return {"command": command, **field_defaults(command_config_class(command))}
+    return {"command": command, **field_defaults(COMMANDS[command].config_class())}
 
 
 def _settings(identity: dict) -> dict:

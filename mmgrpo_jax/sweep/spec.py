@@ -38,34 +38,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mmgrpo_jax.commands import SWEEP_COMMANDS, command_config
 from mmgrpo_jax.config_files import read_yaml
 from mmgrpo_jax.errors import UserError, check_field_types
-
-
-@dataclasses.dataclass(frozen=True)
-class RunCommand:
-    """Where a command's config keeps the fields the sweep sets on every run."""
-
-    seed: str
-    run_dir: str
-    resume: str
-    progress: str
-    # a key only the command's own summary.json has: better-together's weight stage writes a
-    # summary.json of its own first, which does not make the run finished
-    finished_key: str | None = None
-
-    @property
-    def owned(self) -> set[str]:
-        """The config keys the sweep sets itself (a grid may not)."""
-        return {self.seed, self.run_dir, self.resume, self.progress}
-
-
-_TRAINER = ("mmgrpo.seed", "mmgrpo.run_dir", "mmgrpo.resume", "mmgrpo.progress")
-COMMANDS = {
-    "demo": RunCommand("seed", "run_dir", "resume", "progress"),
-    "train": RunCommand(*_TRAINER),
-    "better-together": RunCommand(*_TRAINER, finished_key="strategy"),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,9 +137,9 @@ class SweepConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        if self.command not in COMMANDS:
+        if self.command not in SWEEP_COMMANDS:
             raise UserError(
-                f"sweep command must be one of {sorted(COMMANDS)}, got {self.command!r}"
+                f"sweep command must be one of {sorted(SWEEP_COMMANDS)}, got {self.command!r}"
             )
         if self.config is not None and not Path(self.config).is_file():
             raise UserError(f"sweep config={self.config!r} is not a file")
@@ -181,7 +156,7 @@ class SweepConfig:
         names = [axis.name for axis in self.grid]
         if len(set(names)) != len(names):
             raise UserError(f"sweep grid names an axis twice: {names}")
-        owned = COMMANDS[self.command].owned
+        owned = SWEEP_COMMANDS[self.command].owned
         for axis in self.grid:
             if not axis.values:
                 raise UserError(f"sweep grid axis {axis.name!r} has no values")
@@ -293,7 +268,7 @@ class SweepConfig:
 
     def run_overrides(self, cell: Cell, seed: int) -> list[str]:
         """Every override of one run, in the order they apply (later wins)."""
-        keys = COMMANDS[self.command]
+        keys = SWEEP_COMMANDS[self.command]
         return [
             *self.overrides,
             *cell.overrides,
@@ -308,11 +283,9 @@ class SweepConfig:
         matches. It holds the run's resolved config (so a changed default, base config file or
         grid value is a new run, not a finished one), without the folder's own path (so the
         sweep folder may move)."""
-        from mmgrpo_jax.cli import command_config  # the cli imports this module
-
         overrides = self.run_overrides(cell, seed)
         resolved = dataclasses.asdict(command_config(self.command, self.config, overrides))
-        *parents, leaf = COMMANDS[self.command].run_dir.split(".")
+        *parents, leaf = SWEEP_COMMANDS[self.command].run_dir.split(".")
         node = resolved
         for part in parents:
             node = node[part]

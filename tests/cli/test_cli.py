@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from mmgrpo_jax import cli
-from mmgrpo_jax.cli.demo import DemoConfig
-from mmgrpo_jax.cli.demo import run_demo as run_training_demo
-from mmgrpo_jax.cli.groups_demo import GroupsDemoConfig, print_demo, run_demo
+from mmgrpo_jax.commands.demo import DemoConfig
+from mmgrpo_jax.commands.demo import run_demo as run_training_demo
+from mmgrpo_jax.commands.groups_demo import GroupsDemoConfig, print_demo, run_demo
 
 
 def test_demo_groups_match_traces_and_advantages_are_normalised():

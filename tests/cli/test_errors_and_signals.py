@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from mmgrpo_jax import cli
-from mmgrpo_jax.cli import demo, experiment
+from mmgrpo_jax.commands import demo, experiment
 from mmgrpo_jax.config_files import load_config
 from mmgrpo_jax.trainer.config import MMGRPOConfig
 from mmgrpo_jax.trainer.run_lock import RunLock

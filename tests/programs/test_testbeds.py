@@ -1,6 +1,6 @@
 import pytest
 
-from mmgrpo_jax.cli.demo import DemoConfig, run_demo
+from mmgrpo_jax.commands.demo import DemoConfig, run_demo
 from mmgrpo_jax.program import Signature, adapter
 from mmgrpo_jax.rl.rollout import run_rollouts
 from mmgrpo_jax.testing import ScriptedLM

@@ -6,7 +6,7 @@ policy that ignores its inputs can score, so a testbed that stops learning fails
 
 import pytest
 
-from mmgrpo_jax.cli.demo import DemoConfig, run_demo
+from mmgrpo_jax.commands.demo import DemoConfig, run_demo
 
 
 def learnt(tmp_path, **settings) -> dict:

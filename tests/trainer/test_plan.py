@@ -4,7 +4,7 @@ import json
 import pytest
 
 from mmgrpo_jax import cli
-from mmgrpo_jax.cli.plan import CPU_PLAN_OPTIONS
+from mmgrpo_jax.commands.plan import CPU_PLAN_OPTIONS
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.trainer.config import MemoryConfig, MMGRPOConfig, OptimConfig, SamplerConfig
 from mmgrpo_jax.trainer.plan import check_fits, plan_memory

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mmgrpo_jax.cli.demo import DemoConfig, run_demo
+from mmgrpo_jax.commands.demo import DemoConfig, run_demo
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.trainer.mmgrpo import evaluate
 
@@ -42,7 +42,7 @@ def test_better_together_trains_in_weights_and_returns_its_best_stage(tmp_path, 
         scores.append(evaluate(*args, **kwargs))
         return scores[-1]
 
-    monkeypatch.setattr("mmgrpo_jax.cli.demo.evaluate", recording_evaluate)
+    monkeypatch.setattr("mmgrpo_jax.commands.demo.evaluate", recording_evaluate)
     config = DemoConfig(
         method="better_together",
         num_steps=2,

@@ -499,6 +499,22 @@ def main(command: str, config: ExperimentConfig | EvalConfig, out: TextIO, **opt
     return 0
 
 
+def train_command(config: ExperimentConfig, out: TextIO) -> int:
+    return main("train", config, out)
+
+
+def optimize_prompts_command(config: ExperimentConfig, out: TextIO) -> int:
+    return main("optimize-prompts", config, out)
+
+
+def better_together_command(config: ExperimentConfig, out: TextIO) -> int:
+    return main("better-together", config, out)
+
+
+def eval_command(config: EvalConfig, out: TextIO) -> int:
+    return main("eval", config, out)
+
+
 # the trainer names its own keys (`resume=true continues the run`); on these commands they sit
 # under `mmgrpo.`, and a user who types what the message says must be understood
 _TRAINER_KEYS = re.compile(r"(?<![\w.])(resume|run_dir)=")

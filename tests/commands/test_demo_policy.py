@@ -6,8 +6,8 @@ import logging
 import pytest
 
 from mmgrpo_jax import cli
-from mmgrpo_jax.cli import demo
-from mmgrpo_jax.cli.demo import DemoConfig, record_policy, record_settings, tiny_policy
+from mmgrpo_jax.commands import demo
+from mmgrpo_jax.commands.demo import DemoConfig, record_policy, record_settings, tiny_policy
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.program import adapter
 from models.tokenizer import chat_prompt_ids

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from mmgrpo_jax import cli
-from mmgrpo_jax.cli import experiment
+from mmgrpo_jax.commands import experiment
 from mmgrpo_jax.config_files import load_config
 from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.trainer.config import MMGRPOConfig, OptimConfig, SamplerConfig
