@@ -268,8 +268,8 @@ def run_mesh(config: ParallelConfig) -> Mesh:
 
 
 def place_batch(batch: Batch, mesh: Mesh) -> Batch:
-    """A step's batch on the mesh: every [M, rows, ...] field split over data x fsdp along its
-    rows, the [M] normalisers replicated. Every process passes the same (whole) batch."""
+    """A step's batch on the mesh: every [A, rows, ...] field split over data x fsdp along its
+    rows, the [A] normalisers replicated. Every process passes the same (whole) batch."""
 
     def place(x: Any) -> jax.Array:
         spec = P(None, BATCH) if np.ndim(x) >= 2 else P()

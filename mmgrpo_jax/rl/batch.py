@@ -5,12 +5,12 @@ A row is one (prompt, completion) pair from a trace: the exact sampled token ids
 re-rendered from parsed fields. Every row carries a unit id: the sequence it belongs to in the
 loss's sequence-level aggregations (its own, its group member's with a "trajectory" grouping
 rule, or its rollout's or example's with `MMGRPOConfig.loss_unit`). Rows are right-padded into
-[M, b, L] micro-batches whose length L is bucketed; a unit never spans two micro-batches; the
+[A, b, L] micro-batches whose length L is bucketed; a unit never spans two micro-batches; the
 loss mask covers completion targets only. A new per-token input for a loss is one field of
 `Batch`, filled in `pack_rows` and read by name in the loss (`TokenInputs.batch`). With
 per-module adapters every row carries its module's adapter id (`Batch.adapter_ids`), so one
-pass over a mixed batch trains each adapter on its own module's rows. Shapes: M micro-batches,
-b rows each, L tokens.
+pass over a mixed batch trains each adapter on its own module's rows. Shapes: A micro-batches
+(accumulation steps), b rows each, L tokens; packed, P sequences of Lp tokens.
 """
 
 from __future__ import annotations
@@ -131,39 +131,40 @@ def rows_from_groups(
 
 @flax.struct.dataclass
 class Batch:
-    """Every array of a step's update, leading axis M (one entry per micro-batch)."""
+    """Every array of a step's update, leading axis A: one entry per micro-batch it accumulates."""
 
-    tokens: jax.Array  # [M, b, L]
-    valid: jax.Array  # [M, b, L] real tokens (prompt and completion)
-    loss_mask: jax.Array  # [M, b, L-1] targets that are completion tokens
-    advantages: jax.Array  # [M, b]
-    unit_ids: jax.Array  # [M, b] unit of each row, renumbered per micro-batch; -1 = padding
-    sampler_logps: jax.Array  # [M, b, L-1] the sampler's log-probs of the targets, 0 elsewhere
-    has_sampler_logps: jax.Array  # [M, b] rows whose LM returned log-probs
-    num_sequences: jax.Array  # [M] units in the whole step (the same in every entry)
-    num_tokens: jax.Array  # [M] completion tokens in the whole step (the same in every entry)
-    old_logps: jax.Array | None = None  # [M, b, L-1] before the step's first update
+    tokens: jax.Array  # [A, b, L]
+    valid: jax.Array  # [A, b, L] real tokens (prompt and completion)
+    loss_mask: jax.Array  # [A, b, L-1] targets that are completion tokens
+    advantages: jax.Array  # [A, b]
+    unit_ids: jax.Array  # [A, b] unit of each row, renumbered per micro-batch; -1 = padding
+    sampler_logps: jax.Array  # [A, b, L-1] the sampler's log-probs of the targets, 0 elsewhere
+    has_sampler_logps: jax.Array  # [A, b] rows whose LM returned log-probs
+    num_sequences: jax.Array  # [A] units in the whole step (the same in every entry)
+    num_tokens: jax.Array  # [A] completion tokens in the whole step (the same in every entry)
+    old_logps: jax.Array | None = None  # [A, b, L-1] before the step's first update
     # The completion targets, C per forward sequence: only these positions go through the
     # lm_head; their log-probs land at (target_row, target_slot) of the rows' [L-1] layout.
     # Unpacked, sequence i is row i (C: the step's longest completion, bucketed); packed, the
     # targets are grouped by the sequence that predicts them, so a gather stays within a
     # sequence and the lm_head scores at most the sequences' own positions.
-    target_index: jax.Array | None = None  # [M, S, C] the position in its sequence predicting it
-    target_tokens: jax.Array | None = None  # [M, S, C] the completion token it predicts
-    target_slot: jax.Array | None = None  # [M, S, C] its index in [L-1]; L-1 = padding (dropped)
-    target_row: jax.Array | None = None  # [M, P, C] packed: its row in [b]; None: row = sequence
-    # Packed rows (`pack_rows(pack=...)`): tokens and valid are then [M, P, Lp], P sequences
+    # [A, P, C] below: P forward sequences (P = b unpacked)
+    target_index: jax.Array | None = None  # [A, P, C] the position in its sequence predicting it
+    target_tokens: jax.Array | None = None  # [A, P, C] the completion token it predicts
+    target_slot: jax.Array | None = None  # [A, P, C] its index in [L-1]; L-1 = padding (dropped)
+    target_row: jax.Array | None = None  # [A, P, C] packed: its row in [b]; None: row = sequence
+    # Packed rows (`pack_rows(pack=...)`): tokens and valid are then [A, P, Lp], P sequences
     # of Lp tokens each holding several rows, and the per-row fields above keep their
-    # [M, b, L-1] layout.
-    positions: jax.Array | None = None  # [M, P, Lp] a token's index in its own row
-    segments: jax.Array | None = None  # [M, P, Lp] rows packed apart: which row; -1 = padding
+    # [A, b, L-1] layout.
+    positions: jax.Array | None = None  # [A, P, Lp] a token's index in its own row
+    segments: jax.Array | None = None  # [A, P, Lp] rows packed apart: which row; -1 = padding
     # a prefix tree (`share_prompts`): the slot after each token's subtree, the rows sharing it
     # (AttentionMask.kv_reach); -1 = padding
-    reach: jax.Array | None = None  # [M, P, Lp]
+    reach: jax.Array | None = None  # [A, P, Lp]
     # per-module adapters: each row's adapter id (padding rows 0); None with one adapter
-    adapter_ids: jax.Array | None = None  # [M, b]
+    adapter_ids: jax.Array | None = None  # [A, b]
     # per-module adapters, packed: each token's adapter id (padding 0)
-    token_adapters: jax.Array | None = None  # [M, P, Lp]
+    token_adapters: jax.Array | None = None  # [A, P, Lp]
 
     @property
     def use_lora(self) -> jax.Array | bool:

@@ -155,7 +155,7 @@ def target_logprobs(
 def make_logprob_fn(
     graphdef: nnx.GraphDef, temperature: float, logits_chunk: int = 0
 ) -> Callable[[nnx.State, FrozenWeights, Batch], jax.Array]:
-    """Jitted per-token log-probs of a packed batch, [M, b, L-1]: the old log-probs of a step."""
+    """Jitted per-token log-probs of a packed batch, [A, b, L-1]: the old log-probs of a step."""
 
     @jax.jit
     def logprobs(trainable: nnx.State, frozen: FrozenWeights, batch: Batch) -> jax.Array:
@@ -176,7 +176,7 @@ def _sampler_gap(logps: jax.Array, micro: Batch) -> tuple[jax.Array, jax.Array]:
     return gap.sum(), where.sum().astype(jnp.float32)
 
 
-ROW_METRIC = "row/"  # step metrics kept per row ([M, b]), not averaged: per-module summaries
+ROW_METRIC = "row/"  # step metrics kept per row ([A, b]), not averaged: per-module summaries
 ROW_SAMPLER_KEYS = tuple(
     f"{ROW_METRIC}{name}" for name in ("sampler_weight_sum", "sampler_weight_zeros", "tokens")
 )
@@ -296,7 +296,7 @@ def make_train_step(
             grad_norm=grad_norm,
             update_applied=applied,
             sampler_logprob_gap=jnp.where(gap_tokens > 0, gap_sum / gap_tokens, jnp.nan),
-            **per_row,  # [M, b] in the batch's row layout
+            **per_row,  # [A, b] in the batch's row layout
         )
         new_state = TrainState(trainable, opt_state, jax.random.key_data(next_key))
         return new_state, summary

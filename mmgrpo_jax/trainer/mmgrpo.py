@@ -1,12 +1,12 @@
 """The mmGRPO optimizer: rollouts -> rewards -> groups -> advantages -> update, step after step.
 
 `MMGRPO(metric, config).compile(program, trainset, valset)` trains the policy behind every
-predictor of `program` (one shared LoRA adapter) and returns the program. The policy is loaded
-from `config.model_path` or passed in (`model=`, `tokenizer=`, `stop_token_ids=`); rollouts go
-through a rollout engine (`engine=`: an engine, a factory `model -> engine`, or by default a
-`JaxEngine` on the policy) that receives the new trainable weights after every update. All state
-a resumed run needs goes into a checkpoint (trainer.checkpoint); the data order is a pure
-function of (seed, step).
+predictor of `program` (one shared LoRA adapter, or one per module: `lora.modules`) and
+returns the program. The policy is loaded from `config.model_path` or passed in (`model=`,
+`tokenizer=`, `stop_token_ids=`); rollouts go through a rollout engine (`engine=`: an engine, a
+factory `model -> engine`, or by default the continuous engine on the policy) that receives the
+new trainable weights after every update. All state a resumed run needs goes into a checkpoint
+(trainer.checkpoint); the data order is a pure function of (seed, step).
 """
 
 from __future__ import annotations
