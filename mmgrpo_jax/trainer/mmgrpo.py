@@ -80,6 +80,7 @@ from mmgrpo_jax.trainer.config import (
 from mmgrpo_jax.trainer.interrupt import Interrupted, StopSignals
 from mmgrpo_jax.trainer.run_lock import RunLock
 from mmgrpo_jax.trainer.run_log import RunLogError, RunLogger, read_json
+from mmgrpo_jax.trainer.samples import step_samples
 from models.decoder import Decoder
 from models.export import save_peft_adapter
 from models.hf import load_checkpoint
@@ -287,6 +288,7 @@ RESUMABLE_FIELDS = frozenset(
         "model_path",
         "progress",
         "eval_every",
+        "samples_per_step",
         "checkpoint_every",
         "max_skipped_updates",
         "failing_error_fraction",
@@ -362,6 +364,7 @@ class _StepRollouts:
     rows: list[Row]
     seconds: dict[str, float]
     engine: EngineStats  # the step's share of the engine's stats
+    samples: list[dict[str, Any]]  # what samples.jsonl gets of the step (trainer.samples)
 
 
 class _Guard:
@@ -519,7 +522,8 @@ class MMGRPO:
                     rollouts = self._rollouts(program, trainset, run.lm, step)
                     run.check_rollouts(rollouts.trajectories, step)
                     with run.completing(step) as done:  # a signal waits for the update
-                        done(self._learn(rollouts, run.lm, run.learner, run.guard, step))
+                        record = self._learn(rollouts, run.lm, run.learner, run.guard, step)
+                        done(record, rollouts.samples)
                 if valset:
                     self._evaluate(program, valset, run.greedy, run.done)
             self.summary = run.finish()
@@ -588,7 +592,15 @@ class MMGRPO:
             adapter_of=self._adapter_of,
         )
         engine = lm.stats.since(stats_before)  # this step's rollouts only
-        return _StepRollouts(trajectories, groups, advantages, rows, seconds, engine)
+        samples = step_samples(
+            step + 1,
+            trajectories,
+            groups,
+            advantages,
+            examples=cfg.samples_per_step,
+            mask_truncated_completions=cfg.mask_truncated_completions,
+        )
+        return _StepRollouts(trajectories, groups, advantages, rows, seconds, engine, samples)
 
     def _learn(
         self, rollouts: _StepRollouts, lm: EngineLM, learner: _Learner, guard: _Guard, step: int
@@ -915,16 +927,17 @@ class _Run:
             raise
 
     @contextlib.contextmanager
-    def completing(self, step: int) -> Iterator[Callable[[dict[str, float]], None]]:
+    def completing(self, step: int) -> Iterator[Callable[[dict[str, float], list], None]]:
         """The update and what follows it, as one: a signal waits for the block (the update
-        donates the train state); the step's log row passed to the yielded function makes the
-        step done, logged, and checkpointed when due."""
-        records: list[dict[str, float]] = []
+        donates the train state); the step's log row and samples passed to the yielded function
+        make the step done, logged, and checkpointed when due."""
+        records: list[tuple[dict[str, float], list]] = []
         with self.stop.deferred():
-            yield records.append
-            (record,) = records
+            yield lambda record, samples: records.append((record, samples))
+            ((record, samples),) = records
             self.done, self.engine_state = step + 1, self.engine.state_dict()
             self.log.log(record)
+            self.log.log_samples(samples)
             if self.done % self.config.checkpoint_every == 0:
                 self._checkpoint()
 

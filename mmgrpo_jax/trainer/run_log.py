@@ -2,8 +2,8 @@
 are installed (a GPU box may lack them: that is said once, not ignored), and summary.json.
 
 A resumed run continues the log of the run it resumes: rows of steps after the checkpoint (they
-are replayed) are dropped from metrics.jsonl and purged from TensorBoard, so every step has one
-row, and the summary and the curve cover the whole run across processes.
+are replayed) are dropped from metrics.jsonl and samples.jsonl and purged from TensorBoard, so
+every step has one row, and the summary and the curve cover the whole run across processes.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from mmgrpo_jax.errors import UserError
+
+SAMPLES_FILE = "samples.jsonl"  # trainer.samples: a step's calls, rewards and advantages
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +71,10 @@ class RunLogger:
             self.history = [r for r in rows if r.get("step", 0) <= resumed_step]
         self.history += [dict(r) for r in unwritten if r not in self.history]
         self.unwritten: list[dict[str, float]] = []
+        self.samples_path = self.run_dir / SAMPLES_FILE
         if writes:
             self._rewrite()
+            self._keep_samples(resumed_step)
         self.started = time.perf_counter() - elapsed
         self._writer = None
         if tensorboard and writes:
@@ -96,6 +100,27 @@ class RunLogger:
         tmp = self.metrics_path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         tmp.replace(self.metrics_path)
+
+    def _keep_samples(self, resumed_step: int | None) -> None:
+        """A fresh run starts samples.jsonl anew; a resumed one keeps the steps its checkpoint
+        holds (the later ones are sampled again)."""
+        kept = []
+        if resumed_step is not None and self.samples_path.is_file():
+            kept = [r for r in read_rows(self.samples_path) if r.get("step", 0) <= resumed_step]
+        if kept or self.samples_path.is_file():
+            write_atomic(self.samples_path, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def log_samples(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """A step's samples (trainer.samples) into samples.jsonl, and into TensorBoard as text."""
+        if not self.writes or not records:
+            return
+        with _writing(self.samples_path), self.samples_path.open("a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records))
+        if self._writer is not None:
+            step = int(records[0]["step"])
+            with _writing(self.run_dir / "tensorboard"):
+                self._writer.add_text("samples", samples_markdown(records), step)
+                self._writer.flush()
 
     def log(self, record: Mapping[str, float]) -> None:
         record = {k: float(v) for k, v in record.items()}
@@ -167,6 +192,23 @@ class RunLogger:
         fig.tight_layout()
         fig.savefig(self.run_dir / "learning_curve.png", dpi=120)
         plt.close(fig)
+
+
+def samples_markdown(records: Sequence[Mapping[str, Any]]) -> str:
+    """A step's samples as a markdown table (TensorBoard's text tab renders it)."""
+    lines = [
+        "| example | rollout | call | group | reward | advantage | trained | reply |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in records:
+        reply = " ".join(str(r["reply"]).split()).replace("|", "\\|")[:120]
+        advantage = "" if r["advantage"] is None else f"{r['advantage']:+.3f}"
+        group = "" if r["group"] is None else r["group"]
+        lines.append(
+            f"| {r['example']} | {r['rollout']} | {r['module']}[{r['invocation']}] | {group} "
+            f"| {r['reward']:.3f} | {advantage} | {'yes' if r['trained'] else 'no'} | {reply} |"
+        )
+    return "\n".join(lines)
 
 
 @contextlib.contextmanager
