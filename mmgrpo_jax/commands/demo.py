@@ -49,7 +49,9 @@ from mmgrpo_jax.trainer.config import (
     changed_keys,
     describe_changes,
 )
-from mmgrpo_jax.trainer.mmgrpo import MMGRPO, check_run_dir, default_engine, evaluate
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, evaluate
+from mmgrpo_jax.trainer.policy import default_engine
+from mmgrpo_jax.trainer.run import check_run_dir
 from mmgrpo_jax.trainer.run_lock import RunLock
 from mmgrpo_jax.trainer.run_log import read_json, write_atomic
 from models.config import ModelConfig

@@ -35,14 +35,10 @@ from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
 from mmgrpo_jax.rl.rollout import score_examples, summarize
 from mmgrpo_jax.rl.types import Trajectory
 from mmgrpo_jax.trainer.config import MMGRPOConfig
-from mmgrpo_jax.trainer.mmgrpo import (
-    MMGRPO,
-    check_run_dir,
-    default_engine,
-    evaluate,
-    load_policy,
-)
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, evaluate
 from mmgrpo_jax.trainer.plan import check_fits
+from mmgrpo_jax.trainer.policy import default_engine, load_policy
+from mmgrpo_jax.trainer.run import check_run_dir
 from mmgrpo_jax.trainer.run_log import write_atomic
 from models.decoder import Decoder
 from models.export import adapter_lora_config, load_peft_adapter, save_peft_adapter, without_lora

@@ -16,7 +16,8 @@ from mmgrpo_jax.rl.losses import LossConfig
 from mmgrpo_jax.testing import tiny_decoder
 from mmgrpo_jax.trainer import mmgrpo as trainer_module
 from mmgrpo_jax.trainer.config import MemoryConfig, MMGRPOConfig, OptimConfig, SamplerConfig
-from mmgrpo_jax.trainer.mmgrpo import MMGRPO, examples_for_step, group_diagnostics
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO, examples_for_step
+from mmgrpo_jax.trainer.step_metrics import group_diagnostics
 from models.lora import LoRAConfig
 
 

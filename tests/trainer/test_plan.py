@@ -184,15 +184,15 @@ def test_the_paper_configs_fit_one_h200(name, capsys):
 def test_a_loaded_policy_carries_the_memory_settings_before_any_engine_splits_it(
     checkpoints, monkeypatch
 ):
-    from mmgrpo_jax.trainer import mmgrpo
+    from mmgrpo_jax.trainer import policy
     from models.hf import from_pretrained
 
     def weights_only(path, **kwargs):  # these checkpoints have no tokenizer files
         return from_pretrained(path, dtype=kwargs["dtype"], lora=kwargs["lora"]), None, ()
 
-    monkeypatch.setattr(mmgrpo, "load_checkpoint", weights_only)
+    monkeypatch.setattr(policy, "load_checkpoint", weights_only)
     cfg = dataclasses.replace(config(memory=LEAN), model_path=str(checkpoints["llama31"]))
-    model, _, _ = mmgrpo.load_policy(cfg)
+    model, _, _ = policy.load_policy(cfg)
     assert model.attention == LEAN.attention_config and model.remat
 
 

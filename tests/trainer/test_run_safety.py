@@ -23,7 +23,8 @@ from mmgrpo_jax.rl.rollout import run_rollouts
 from mmgrpo_jax.testing import ScriptedLM, tiny_decoder
 from mmgrpo_jax.trainer.checkpoint import array_records
 from mmgrpo_jax.trainer.interrupt import Interrupted
-from mmgrpo_jax.trainer.mmgrpo import MMGRPO, _Guard
+from mmgrpo_jax.trainer.learner import Guard
+from mmgrpo_jax.trainer.mmgrpo import MMGRPO
 from mmgrpo_jax.trainer.run_lock import RunLock
 from models.lora import LoRAConfig
 from tests.rl.test_rollout import EXAMPLE, GOOD, TwoStep, exact
@@ -406,7 +407,7 @@ def test_a_program_that_raises_on_every_call_stops_the_run_naming_the_error():
     assert {(t.status, t.reward, t.error) for t in trajectories} == {
         ("error", 0.0, "program raised ZeroDivisionError: tool failed")
     }
-    guard = _Guard(mmgrpo_jax.MMGRPOConfig(max_failed_steps=2, num_rollouts=3))
+    guard = Guard(mmgrpo_jax.MMGRPOConfig(max_failed_steps=2, num_rollouts=3))
     guard.check_rollouts(trajectories, step=0)
     with pytest.raises(
         UserError,
