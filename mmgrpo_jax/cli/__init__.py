@@ -46,15 +46,23 @@ class _HelpWithKeys(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        from mmgrpo_jax.config_files import config_keys
+        import textwrap
+
+        from mmgrpo_jax.config_files import config_keys, key_notes
 
         command = parser.prog.split()[-1]
         config_cls = command_config_class(command)
         parser.print_help()
         print("\nkeys (key=value on the command line, or in the --config YAML), defaults:")
-        keys = config_keys(config_cls)
+        keys, notes = config_keys(config_cls), key_notes(config_cls)
         for key, default in keys:
             print(f"  {key}={shown_default(default)}")
+            if key in notes:  # what the key is for: the comment beside its field
+                print(
+                    textwrap.fill(
+                        notes[key], 100, initial_indent=" " * 6, subsequent_indent=" " * 6
+                    )
+                )
         if any(key == "task.name" for key, _ in keys):  # the commands that run a task
             print(f"\ntasks (task.name=, or --program): {', '.join(registered_tasks())}")
         parser.exit()

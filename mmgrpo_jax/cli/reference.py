@@ -4,17 +4,10 @@ that no command, option, key or default is written twice (docs/hooks.py puts it 
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
 import functools
-import inspect
-import io
-import textwrap
-import tokenize
 
 from mmgrpo_jax.cli import build_parser, command_config_class, shown_default
-from mmgrpo_jax.config_files import config_keys
-from mmgrpo_jax.errors import field_hints
+from mmgrpo_jax.config_files import config_keys, key_notes
 
 WIDTH = 100  # the help text's line width, whatever the terminal
 
@@ -29,51 +22,6 @@ def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argpar
 def _usage(parser: argparse.ArgumentParser) -> str:
     parser.formatter_class = functools.partial(argparse.HelpFormatter, width=WIDTH)
     return parser.format_help().rstrip()
-
-
-def field_notes(cls: type) -> dict[str, str]:
-    """Each field's comment in the class's source: the comment lines right above it and the one
-    at its end, as one sentence (what the reference says a key is for, written once, in code)."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    comments: dict[int, tuple[str, bool]] = {}  # line -> (text, alone on its line)
-    lines = source.splitlines()
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            row = token.start[0]
-            alone = not lines[row - 1][: token.start[1]].strip()
-            comments[row] = (token.string.lstrip("#").strip(), alone)
-    [classdef] = ast.parse(source).body
-    notes = {}
-    for node in classdef.body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        above, row = [], node.lineno - 1
-        while row in comments and comments[row][1]:
-            above.insert(0, comments[row][0])
-            row -= 1
-        trailing = [
-            comments[r][0]
-            for r in range(node.lineno, node.end_lineno + 1)
-            if r in comments and not comments[r][1]
-        ]
-        text = " ".join([*above, *trailing]).strip()
-        if text:
-            notes[node.target.id] = text
-    return notes
-
-
-def key_notes(cls: type, prefix: str = "") -> dict[str, str]:
-    """`field_notes` for every key `config_keys` lists, nested sections dotted."""
-    notes = {prefix + name: text for name, text in field_notes(cls).items()}
-    hints = field_hints(cls)
-    for field in dataclasses.fields(cls):
-        nested = hints[field.name]
-        if isinstance(nested, type) and dataclasses.is_dataclass(nested):
-            notes.update(key_notes(nested, f"{prefix}{field.name}."))
-    return notes
 
 
 def _cell(text: str) -> str:

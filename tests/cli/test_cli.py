@@ -97,6 +97,19 @@ def test_help_lists_every_key_with_its_default(capsys, command, keys):
         assert f"  {key}" in lines
 
 
+def test_help_says_what_a_key_does_from_the_comment_beside_its_field(capsys):
+    from mmgrpo_jax.config_files import field_notes
+    from mmgrpo_jax.trainer.config import MMGRPOConfig
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("  mmgrpo.samples_per_step=2")
+    note = " ".join(line.strip() for line in lines[at + 1 : at + 3] if line.startswith(" " * 6))
+    assert note.startswith(field_notes(MMGRPOConfig)["samples_per_step"][:60])
+    assert all(len(line) <= 100 for line in lines)
+
+
 def test_eval_help_lists_the_registered_tasks_plugins_included(capsys, tmp_path, monkeypatch):
     """It listed a fixed "banking77 | papillon | hover | capitals | yours"; the registry's
     names are what `--program` accepts, a plugin's among them."""

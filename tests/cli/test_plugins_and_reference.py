@@ -81,7 +81,7 @@ def test_the_cli_reference_lists_every_command_option_and_key():
 
 
 def test_a_keys_note_is_its_comment_in_the_config_class():
-    from mmgrpo_jax.cli.reference import field_notes
+    from mmgrpo_jax.config_files import field_notes
     from tests.cli.noted_config import Noted
 
     assert field_notes(Noted) == {
