@@ -11,8 +11,6 @@ step's groups.
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -22,9 +20,7 @@ import numpy as np
 from mmgrpo_jax.errors import UserError
 from mmgrpo_jax.rl.grouping import Group
 from mmgrpo_jax.rl.types import Trajectory
-from mmgrpo_jax.trainer.run_log import SAMPLES_FILE
-
-logger = logging.getLogger(__name__)
+from mmgrpo_jax.trainer.run_log import SAMPLES_FILE, read_rows
 
 
 def step_samples(
@@ -81,21 +77,14 @@ def step_samples(
 
 
 def read_samples(run_dir: str | Path) -> list[dict[str, Any]]:
-    """A run folder's samples.jsonl; a line cut short by a kill is dropped with a warning."""
+    """A run folder's samples.jsonl (a line cut short by a kill is dropped, as `read_rows` does)."""
     path = Path(run_dir) / SAMPLES_FILE
     if not path.is_file():
         raise UserError(
             f"{path} does not exist: a run writes it from its first step "
             "(samples_per_step > 0, or -1 for every example)"
         )
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                logger.warning("%s line %d is cut short (a killed write?): dropped", path, number)
-    return records
+    return read_rows(path)
 
 
 def _text(value: Any, width: int) -> str:

@@ -427,7 +427,13 @@ def test_a_baseline_from_another_sweep_is_a_row_paired_by_seed_and_never_run_her
     assert "has not finished" not in caplog.text and "runs.csv" not in caplog.text
     assert _without_wall_time((tmp_path / "other" / "table.csv").read_text()) == first
     assert sum(r.recorded for r in report.results) == 3
-    # a sweep that never reported that row: it comes from the owner's runs.csv alone
+
+    # a sweep that never reported that row (its own runs copied in): the owner's runs.csv alone
+    def copy_own_runs():
+        for seed in fresh.seeds:
+            run_dir = tmp_path / "other" / "runs" / "lr-0.001" / f"seed{seed}"
+            shutil.copytree(run_dir, fresh.run_dir(fresh.cells[0], seed))
+
     fresh = load_sweep(
         _sweep_file(
             tmp_path / "fresh.yaml",
@@ -436,18 +442,14 @@ def test_a_baseline_from_another_sweep_is_a_row_paired_by_seed_and_never_run_her
             baseline_from=reference,
         )
     )
-    for seed in fresh.seeds:
-        run_dir = tmp_path / "other" / "runs" / "lr-0.001" / f"seed{seed}"
-        shutil.copytree(run_dir, fresh.run_dir(fresh.cells[0], seed))
+    copy_own_runs()
     report = run_sweep(fresh, progress=False)
     assert "has not finished" not in caplog.text and report.skipped == 3
     assert _without_wall_time((tmp_path / "fresh" / "table.csv").read_text()) == first
     # with no record either, the seeds are named as not finished
     (tmp_path / "owner" / "runs.csv").unlink()
     shutil.rmtree(tmp_path / "fresh")
-    for seed in fresh.seeds:
-        run_dir = tmp_path / "other" / "runs" / "lr-0.001" / f"seed{seed}"
-        shutil.copytree(run_dir, fresh.run_dir(fresh.cells[0], seed))
+    copy_own_runs()
     run_sweep(fresh, progress=False)
     assert "has not finished seeds [0, 1, 2]" in caplog.text
 
