@@ -47,19 +47,23 @@ def _rows(data_dir: str | Path | None, split: str, names: list[str]) -> list[dic
     return read_jsonl(Path(root) / "banking77" / f"{split}.jsonl")
 
 
-def load_banking77(data_dir: str | Path | None = None, seed: int = 0) -> Splits:
-    names = label_names(data_dir)
+def _examples(rows: list[dict[str, str]]) -> list[Example]:
+    return [Example(text=r["text"], label=r["category"]).with_inputs("text") for r in rows]
 
-    def examples(rows):
-        return [Example(text=r["text"], label=r["category"]).with_inputs("text") for r in rows]
 
-    pool = _rows(data_dir, "train", names)
+def training_pool(data_dir: str | Path | None = None, seed: int = 0) -> list[Example]:
+    """The train file's queries in the seeded order the splits cut from."""
+    pool = _rows(data_dir, "train", label_names(data_dir))
     random.Random(seed).shuffle(pool)
-    test = _rows(data_dir, "test", names)
+    return _examples(pool)
+
+
+def load_banking77(data_dir: str | Path | None = None, seed: int = 0) -> Splits:
+    pool = training_pool(data_dir, seed)
     return Splits(
-        train=examples(pool[:TRAIN_SIZE]),
-        dev=examples(pool[TRAIN_SIZE : TRAIN_SIZE + DEV_SIZE]),
-        test=examples(test),
+        train=pool[:TRAIN_SIZE],
+        dev=pool[TRAIN_SIZE : TRAIN_SIZE + DEV_SIZE],
+        test=_examples(_rows(data_dir, "test", label_names(data_dir))),
     )
 
 

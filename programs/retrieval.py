@@ -55,6 +55,15 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def _bm25s():
+    """bm25s, imported on first use (it is not on the sampler/train path)."""
+    import bm25s
+
+    # bm25s sets its logger to DEBUG on import: its per-call lines are not the user's
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
+    return bm25s
+
+
 class BM25Retriever:
     """BM25 (k1 0.9, b 0.4: docs/design.md#programs) with English stopwords, via `bm25s`."""
 
@@ -66,12 +75,7 @@ class BM25Retriever:
         k1: float = 0.9,
         b: float = 0.4,
     ) -> None:
-        import bm25s
-
-        # bm25s sets its logger to DEBUG on import: its per-call lines are not the user's
-        logging.getLogger("bm25s").setLevel(logging.WARNING)
-        self._bm25s = bm25s
-        self.corpus_path = Path(corpus_path)
+        self.corpus_path: Path | None = Path(corpus_path)
         if not self.corpus_path.is_file():
             raise FileNotFoundError(f"retrieval corpus {str(self.corpus_path)!r} does not exist")
         self.passages = read_corpus(self.corpus_path)
@@ -79,15 +83,32 @@ class BM25Retriever:
         self.index_dir = Path(cache_dir or DEFAULT_CACHE / "bm25") / key
         self.built_index = not (self.index_dir / "params.index.json").is_file()
         if self.built_index:
-            self.index = bm25s.BM25(k1=k1, b=b)
-            self.index.index(self._tokenize(self.passages), show_progress=False)
+            self.index = self._build(self.passages, k1, b)
             self._save()
         else:
-            self.index = bm25s.BM25.load(self.index_dir, show_progress=False)
+            self.index = _bm25s().BM25.load(self.index_dir, show_progress=False)
         self._lock = threading.Lock()
 
+    @classmethod
+    def over(cls, passages: list[str], *, k1: float = 0.9, b: float = 0.4) -> BM25Retriever:
+        """An index of passages held in memory, built now and not cached (a few thousand at
+        most: a program's own labelled examples)."""
+        if not passages:
+            raise ValueError("BM25Retriever.over needs at least one passage")
+        self = cls.__new__(cls)
+        self.corpus_path, self.index_dir, self.built_index = None, None, True
+        self.passages = list(passages)
+        self.index = self._build(self.passages, k1, b)
+        self._lock = threading.Lock()
+        return self
+
+    def _build(self, passages: list[str], k1: float, b: float):
+        index = _bm25s().BM25(k1=k1, b=b)
+        index.index(self._tokenize(passages), show_progress=False)
+        return index
+
     def _tokenize(self, texts: list[str]):
-        return self._bm25s.tokenize(texts, stopwords="en", show_progress=False)
+        return _bm25s().tokenize(texts, stopwords="en", show_progress=False)
 
     def _save(self) -> None:
         self.index_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.rl.registry import Registry
 from mmgrpo_jax.rl.types import Metric
-from programs import banking77, capitals, hover, papillon
+from programs import banking77, banking77_shortlist, capitals, hover, papillon
 from programs.data import Splits
 from programs.retrieval import DEFAULT_CACHE, BM25Retriever, ColBERTv2Client
 
@@ -176,6 +176,18 @@ register_task(
         hover.title_recall,
     ),
     config="experiments/configs/hover_qwen3_8b.yaml",
+)
+register_task(
+    "banking77_shortlist",
+    load=lambda cfg: banking77_shortlist.load_banking77_shortlist(cfg.data_dir, cfg.split_seed),
+    build=lambda cfg, _: (
+        banking77_shortlist.Banking77Shortlist(
+            banking77_shortlist.load_reference(cfg.data_dir, cfg.split_seed),
+            banking77.label_names(cfg.data_dir),
+        ),
+        banking77_shortlist.intent_match,
+    ),
+    config="experiments/configs/banking77_smollm2.yaml",
 )
 register_task(
     "capitals",

@@ -393,8 +393,9 @@ def load_eval_policy(cfg: EvalConfig) -> tuple[Decoder, HFTokenizer, tuple[int, 
 def evaluate_task(
     task: Task, examples: list[Example], lm: EngineLM, out: Path, progress: bool = True
 ) -> dict[str, Any]:
-    """Greedy run over `examples`; failures score 0; one JSONL line per example, written as
-    each finishes (an interrupted evaluation keeps those), in example order once all are in."""
+    """Greedy run over `examples`; failures score 0; one JSONL line per example (with each
+    call's module and reply, to see where a program went wrong), written as each finishes (an
+    interrupted evaluation keeps those), in example order once all are in."""
 
     def record(t: Trajectory) -> str:
         example = examples[t.example_index]
@@ -406,6 +407,7 @@ def evaluate_task(
             "score": t.reward,
             "status": t.status,
             "error": t.error,
+            "calls": [{"module": c.predictor, "reply": c.completion} for c in t.calls],
         }
         return json.dumps(line, ensure_ascii=False, default=str) + "\n"
 

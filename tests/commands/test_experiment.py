@@ -121,6 +121,8 @@ def test_eval_cli_prints_the_metric_and_writes_predictions(checkpoint, tmp_path,
         records[0]
     )
     assert records[0]["labels"]["label"] and records[0]["status"] in ("ok", "format_failure")
+    [call] = records[0]["calls"]  # Banking77's one module, its reply as sampled
+    assert call["module"] == "classify" and isinstance(call["reply"], str)
 
 
 def test_missing_checkpoint_and_oversized_model_are_messages_not_tracebacks(
@@ -141,7 +143,8 @@ def test_missing_checkpoint_and_oversized_model_are_messages_not_tracebacks(
     assert "GiB" in capsys.readouterr().err
 
 
-PAPER_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if not p.stem.startswith("capitals"))
+PAPER_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if not p.stem.endswith("_smollm2"))
+REAL_LM_CONFIGS = sorted(CONFIGS.glob("*_smollm2.yaml"))
 
 
 @pytest.mark.parametrize("path", PAPER_CONFIGS, ids=lambda p: p.stem)
@@ -165,10 +168,10 @@ def test_paper_configs_load_with_the_paper_setting(path, checkpoint):
         load_config(experiment.ExperimentConfig, path)  # the 8B checkpoints are not on this machine
 
 
-def test_the_real_lm_config_names_the_registry_model(tmp_path, monkeypatch):
-    """capitals_smollm2.yaml says `model_path: smollm2-135m`: a fetched model resolves, a
+@pytest.mark.parametrize("path", REAL_LM_CONFIGS, ids=lambda p: p.stem)
+def test_the_real_lm_configs_name_the_registry_model(path, tmp_path, monkeypatch):
+    """Each *_smollm2.yaml says `model_path: smollm2-135m`: a fetched model resolves, a
     missing one is a config error that says how to fetch it."""
-    path = CONFIGS / "capitals_smollm2.yaml"
     monkeypatch.setenv("MMGRPO_CACHE", str(tmp_path / "empty"))
     with pytest.raises(ValueError, match=r"run `mmgrpo models fetch smollm2-135m`"):
         load_config(experiment.ExperimentConfig, path)
@@ -177,7 +180,8 @@ def test_the_real_lm_config_names_the_registry_model(tmp_path, monkeypatch):
     (folder / ".complete").write_text("")
     monkeypatch.setenv("MMGRPO_CACHE", str(tmp_path / "cache"))
     cfg = load_config(experiment.ExperimentConfig, path)
-    assert cfg.task.name == "capitals" and cfg.mmgrpo.model_path == "smollm2-135m"
+    assert f"{cfg.task.name}_".startswith(path.stem.split("_")[0])
+    assert cfg.mmgrpo.model_path == "smollm2-135m"
     assert cfg.mmgrpo.dtype == "float32" and cfg.mmgrpo.sampler.max_completion_tokens == 16
 
 
