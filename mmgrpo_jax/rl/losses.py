@@ -12,6 +12,7 @@ group of rows sharing a unit id (trajectory-level grouping: all calls of one tra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -89,7 +90,7 @@ class TokenInputs:
     log_ratio: jax.Array  # [B, T] logps - old_logps on the mask, 0 elsewhere
     advantages: jax.Array  # [B, 1] constant
     mask: jax.Array  # [B, T] bool, completion tokens only
-    batch: Any = None  # the micro-batch (rl.batch.Batch fields for one micro-batch), if any
+    batch: Any = None  # the rows policy_loss got: the micro-batch (rl.batch.Batch) in training
     # log of the sampler-mismatch weight (LossConfig.sampler_correction), [B, T] or [B, 1];
     # None when off. policy_loss applies it to every variant but vespo, which folds it in itself
     is_log_weight: jax.Array | None = None
@@ -380,32 +381,47 @@ def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(mask.sum(), 1)
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["advantages", "loss_mask", "unit_ids", "num_sequences", "num_tokens"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class LossRows:
+    """The per-row inputs a loss reads, by the names a micro-batch (`rl.batch.Batch`) has them:
+    the trainer passes its micro-batch, a loss computed on its own passes this."""
+
+    advantages: jax.Array  # [B]
+    loss_mask: jax.Array  # [B, T] completion tokens only
+    unit_ids: jax.Array | None = None  # [B] ids in [0, B), -1 = padding row; None: row units
+    num_sequences: jax.Array | int | None = None  # the whole step's units; None: this batch's
+    num_tokens: jax.Array | int | None = None  # the whole step's completion tokens; None: this
+
+
 def policy_loss(
     cfg: LossConfig,
     logps: jax.Array,  # [B, T] trainer log-probs, gradients flow here
     old_logps: jax.Array,  # [B, T] log-probs before this step's first update (constant)
-    advantages: jax.Array,  # [B]
-    mask: jax.Array,  # [B, T] completion tokens only
-    ref_logps: jax.Array | None = None,  # [B, T] base model (LoRA off), needed when beta > 0
-    unit_ids: jax.Array | None = None,  # [B] ids in [0, B), -1 = padding row
+    rows: Any,  # LossRows, or a micro-batch with those fields
     *,
-    num_sequences: jax.Array | int | None = None,
-    num_tokens: jax.Array | int | None = None,
-    num_micro_batches: int = 1,
-    batch: Any = None,
+    ref_logps: jax.Array | None = None,  # [B, T] base model (LoRA off), needed when beta > 0
     sampler_logps: jax.Array | None = None,  # [B, T] the sampler's; the off-policy mask's input
+    num_micro_batches: int = 1,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The loss to minimise and its metrics, docs/design.md#losses.
 
-    `unit_ids` say which rows form one sequence unit of the aggregation (rows sharing an id are
-    one unit, e.g. a trajectory in trajectory-level mmGRPO; all of a unit's rows must be in this
-    call); without them every row is its own unit. Under gradient accumulation pass the whole
-    step's `num_sequences` (units) and `num_tokens` so that summing the micro-batch losses gives
-    the step's loss; by default both are counted in this batch. bnpo averages micro-batch token
-    means by definition, so it takes `num_micro_batches` instead. `batch` reaches the variant's
-    token function as `inputs.batch`. `sampler_logps` (else the old log-probs, TRL's fallback)
-    feed the off-policy sequence mask and the sampler-mismatch weight, when either is set.
+    `rows.unit_ids` say which rows form one sequence unit of the aggregation (rows sharing an id
+    are one unit, e.g. a trajectory in trajectory-level mmGRPO; all of a unit's rows must be in
+    this call); without them every row is its own unit. Under gradient accumulation the rows
+    carry the whole step's `num_sequences` (units) and `num_tokens`, so that summing the
+    micro-batch losses gives the step's loss; without them both are counted in this batch. bnpo
+    averages micro-batch token means by definition, so it takes `num_micro_batches` instead.
+    `rows` reaches the variant's token function as `inputs.batch`. `sampler_logps` (else the old
+    log-probs, TRL's fallback) feed the off-policy sequence mask and the sampler-mismatch weight,
+    when either is set.
     """
+    advantages, mask, unit_ids = rows.advantages, rows.loss_mask, rows.unit_ids
+    num_sequences, num_tokens = rows.num_sequences, rows.num_tokens
     if cfg.beta > 0 and ref_logps is None:
         raise ValueError(f"LossConfig.beta={cfg.beta} needs ref_logps for the KL term")
     if logps.ndim != 2 or logps.shape != old_logps.shape or logps.shape != mask.shape:
@@ -436,7 +452,7 @@ def policy_loss(
     is_log = None
     if cfg.sampler_correction is not None:
         is_log = sampler_log_weight(cfg, old_logps, behaviour, mask)
-    inputs = TokenInputs(logps, old_logps, log_ratio, adv, mask, batch, is_log)
+    inputs = TokenInputs(logps, old_logps, log_ratio, adv, mask, rows, is_log)
     terms = variant.token_terms(cfg, inputs)
     _check_terms(cfg.variant, terms, mask.shape)
     per_token = terms.loss

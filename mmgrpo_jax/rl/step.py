@@ -237,19 +237,9 @@ def make_train_step(
         # what the tokens were sampled with: the sampler's log-probs where the LM returned them
         behaviour = jnp.where(micro.has_sampler_logps[:, None], micro.sampler_logps, old)
         loss, metrics = policy_loss(
-            loss_cfg,
-            logps,
-            old,
-            micro.advantages,
-            micro.loss_mask,
-            ref_logps=ref,
-            unit_ids=micro.unit_ids,
-            num_sequences=micro.num_sequences,
-            num_tokens=micro.num_tokens,
+            loss_cfg, logps, old, micro, ref_logps=ref, sampler_logps=behaviour,
             num_micro_batches=count,
-            batch=micro,
-            sampler_logps=behaviour,
-        )
+        )  # fmt: skip
         gap_sum, gap_tokens = _sampler_gap(jax.lax.stop_gradient(logps), micro)
         metrics = {**metrics, "gap_sum": gap_sum, "gap_tokens": gap_tokens}
         if loss_cfg.sampler_correction is not None:

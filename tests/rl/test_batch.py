@@ -14,7 +14,7 @@ from mmgrpo_jax.rl.grouping import (
     module_level_groups,
     trajectory_level_groups,
 )
-from mmgrpo_jax.rl.losses import LossConfig, policy_loss
+from mmgrpo_jax.rl.losses import LossConfig, LossRows, policy_loss
 from mmgrpo_jax.rl.rollout import run_rollouts
 from mmgrpo_jax.trainer.config import MMGRPOConfig
 from programs import synthetic
@@ -220,7 +220,8 @@ def _mass(groups, unit):
 
     def loss(logps):
         ones = jnp.ones(len(rows))
-        return policy_loss(cfg, logps, logps, ones, jnp.asarray(mask), unit_ids=jnp.asarray(ids))[0]
+        loss_rows = LossRows(ones, jnp.asarray(mask), jnp.asarray(ids))
+        return policy_loss(cfg, logps, logps, loss_rows)[0]
 
     grad = np.asarray(jax.grad(loss)(jnp.full(mask.shape, -1.0)))
     return rows, -grad.sum(1)
@@ -311,9 +312,8 @@ def _loss_and_gradient(rows, variant, logps_of):
 
     def loss(logps):
         cfg = LossConfig(variant)
-        return policy_loss(
-            cfg, logps, jnp.asarray(old), advantages, jnp.asarray(mask), None, jnp.asarray(ids)
-        )[0]
+        rows = LossRows(advantages, jnp.asarray(mask), jnp.asarray(ids))
+        return policy_loss(cfg, logps, jnp.asarray(old), rows)[0]
 
     value, grad = jax.value_and_grad(loss)(new)
     grad = np.asarray(grad)

@@ -10,6 +10,7 @@ from mmgrpo_jax.rl.losses import (
     AGGREGATIONS,
     VARIANTS,
     LossConfig,
+    LossRows,
     TokenTerms,
     policy_loss,
     register_aggregation,
@@ -168,19 +169,20 @@ def random_batch(seed, masked_value=np.nan):
     return logps, old, ref, adv, mask
 
 
-def run(cfg, logps, old, adv, mask, ref=None, tids=None, **kwargs):
-    f = jax.jit(policy_loss, static_argnums=0)
+def run(cfg, logps, old, adv, mask, ref=None, tids=None, num_sequences=None, num_tokens=None,
+        **kwargs):  # fmt: skip
+    """policy_loss under jit on numpy inputs; the totals travel in the rows, as a micro-batch's."""
+    f = jax.jit(policy_loss, static_argnums=0, static_argnames="num_micro_batches")
     to = jnp.asarray
-    return f(
-        cfg,
-        to(logps, jnp.float32),
-        to(old, jnp.float32),
+    rows = LossRows(
         to(adv, jnp.float32),
         to(mask),
-        None if ref is None else to(ref, jnp.float32),
         None if tids is None else to(tids, jnp.int32),
-        **kwargs,
+        num_sequences,
+        num_tokens,
     )
+    ref = None if ref is None else to(ref, jnp.float32)
+    return f(cfg, to(logps, jnp.float32), to(old, jnp.float32), rows, ref_logps=ref, **kwargs)
 
 
 CASES = [

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from mmgrpo_jax.rl.batch import PackShape, Row, batch_layout, pack_rows, rows_from_groups
-from mmgrpo_jax.rl.losses import LossConfig, policy_loss
+from mmgrpo_jax.rl.losses import LossConfig, LossRows, policy_loss
 from mmgrpo_jax.rl.step import (
     ROW_METRIC,
     ROW_SAMPLER_KEYS,
@@ -45,15 +45,10 @@ def reference_loss(cfg, trainable, graphdef, frozen, rows, trajectory_level):
     model = nnx.merge(graphdef, trainable, frozen.base)
     logps = token_logprobs(model, one.tokens[0], one.valid[0], TEMPERATURE)
     ref = token_logprobs(model, one.tokens[0], one.valid[0], TEMPERATURE, use_lora=False)
-    loss, _ = policy_loss(
-        cfg,
-        logps,
-        jax.lax.stop_gradient(logps),
-        one.advantages[0],
-        one.loss_mask[0],
-        ref_logps=ref if cfg.beta > 0 else None,
-        unit_ids=one.unit_ids[0] if trajectory_level else None,
-    )
+    units = one.unit_ids[0] if trajectory_level else None
+    rows = LossRows(one.advantages[0], one.loss_mask[0], units)
+    ref = ref if cfg.beta > 0 else None
+    loss, _ = policy_loss(cfg, logps, jax.lax.stop_gradient(logps), rows, ref_logps=ref)
     return loss
 
 
@@ -106,9 +101,8 @@ def test_prompt_positions_get_no_gradient():
     cfg = LossConfig("grpo")
 
     def loss_of(logps):
-        return policy_loss(
-            cfg, logps, jax.lax.stop_gradient(logps), batch.advantages[0], batch.loss_mask[0]
-        )[0]
+        rows = LossRows(batch.advantages[0], batch.loss_mask[0])
+        return policy_loss(cfg, logps, jax.lax.stop_gradient(logps), rows)[0]
 
     model = fresh_model()
     logps = full_batch_logps(model, batch.tokens[0], batch.valid[0])
