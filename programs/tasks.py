@@ -20,7 +20,7 @@ from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.rl.registry import Registry
 from mmgrpo_jax.rl.types import Metric
-from programs import banking77, banking77_shortlist, capitals, hover, papillon
+from programs import banking77, banking77_shortlist, capitals, hover, papillon, papillon_lexical
 from programs.data import Splits
 from programs.retrieval import DEFAULT_CACHE, BM25Retriever, ColBERTv2Client
 
@@ -188,6 +188,17 @@ register_task(
         banking77_shortlist.intent_match,
     ),
     config="experiments/configs/banking77_smollm2.yaml",
+)
+register_task(
+    "papillon_lexical",
+    load=lambda cfg: papillon_lexical.load_pupa_short(cfg.data_dir),
+    build=lambda cfg, local_lm: (
+        papillon_lexical.PapillonLexical(
+            external_or_local_lm(cfg.untrusted_lm, local_lm, "untrusted LM")
+        ),
+        papillon_lexical.privacy_score,
+    ),
+    config="experiments/configs/papillon_smollm2.yaml",
 )
 register_task(
     "capitals",

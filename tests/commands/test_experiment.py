@@ -182,7 +182,7 @@ def test_the_real_lm_configs_name_the_registry_model(path, tmp_path, monkeypatch
     cfg = load_config(experiment.ExperimentConfig, path)
     assert f"{cfg.task.name}_".startswith(path.stem.split("_")[0])
     assert cfg.mmgrpo.model_path == "smollm2-135m"
-    assert cfg.mmgrpo.dtype == "float32" and cfg.mmgrpo.sampler.max_completion_tokens == 16
+    assert cfg.mmgrpo.dtype == "float32" and cfg.mmgrpo.sampler.max_completion_tokens <= 64
 
 
 def experiment_yaml(tmp_path, checkpoint, strategy="p -> w"):
