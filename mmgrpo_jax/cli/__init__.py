@@ -64,7 +64,8 @@ class _HelpWithKeys(argparse.Action):
                     )
                 )
         if any(key == "task.name" for key, _ in keys):  # the commands that run a task
-            print(f"\ntasks (task.name=, or --program): {', '.join(registered_tasks())}")
+            tasks = f"tasks (task.name=, or --program): {', '.join(registered_tasks())}"
+            print("\n" + textwrap.fill(tasks, 100, subsequent_indent=" " * 2))
         parser.exit()
 
 
