@@ -8,15 +8,10 @@ YAML 1.2 reads them: YAML 1.1 would take ``1e-5`` for a string); the dataclass's
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
-import inspect
-import io
 import re
-import textwrap
-import tokenize
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -167,38 +162,23 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+def setting(
+    default: Any = dataclasses.MISSING,
+    note: str = "",
+    *,
+    factory: Callable[[], Any] | None = None,
+) -> Any:
+    """A config field and what it is for, kept as `metadata["help"]` (TRL's convention, shorter
+    to write): the one text `--help`, the CLI reference and `field_notes` read."""
+    metadata = {"help": note} if note else {}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 def field_notes(cls: type) -> dict[str, str]:
-    """Each field's comment in the class's source: the comment lines right above it and the one
-    at its end, as one sentence (what the reference says a key is for, written once, in code)."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    comments: dict[int, tuple[str, bool]] = {}  # line -> (text, alone on its line)
-    lines = source.splitlines()
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            row = token.start[0]
-            alone = not lines[row - 1][: token.start[1]].strip()
-            comments[row] = (token.string.lstrip("#").strip(), alone)
-    [classdef] = ast.parse(source).body
-    notes = {}
-    for node in classdef.body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        above, row = [], node.lineno - 1
-        while row in comments and comments[row][1]:
-            above.insert(0, comments[row][0])
-            row -= 1
-        trailing = [
-            comments[r][0]
-            for r in range(node.lineno, node.end_lineno + 1)
-            if r in comments and not comments[r][1]
-        ]
-        text = " ".join([*above, *trailing]).strip()
-        if text:
-            notes[node.target.id] = text
-    return notes
+    """What each field of a config class is for: its `metadata["help"]` (see `setting`)."""
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if "help" in f.metadata}
 
 
 def key_notes(cls: type, prefix: str = "") -> dict[str, str]:

@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mmgrpo_jax.config_files import setting
 from mmgrpo_jax.errors import UserError, check_field_types
 from mmgrpo_jax.errors import bad_field as _bad
 from mmgrpo_jax.rl.batch import Batch
@@ -42,10 +43,10 @@ class ParallelConfig:
     """The device mesh (docs/design.md#scale): training rows and sampler requests split over
     data x fsdp, parameters by the partition rules of models.sharding, heads over tensor."""
 
-    data: int | None = None  # null: every device the fsdp and tensor axes leave
-    fsdp: int = 1  # devices the weights and optimizer state are split over
-    tensor: int = 1  # devices each matmul is split over
-    devices: int | None = None  # one process: run on its first N devices only; null: all
+    data: int | None = setting(None, "null: every device the fsdp and tensor axes leave")
+    fsdp: int = setting(1, "devices the weights and optimizer state are split over")
+    tensor: int = setting(1, "devices each matmul is split over")
+    devices: int | None = setting(None, "one process: run on its first N devices only; null: all")
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -78,13 +79,18 @@ class DistributedConfig:
     """Several processes (hosts) as one JAX runtime (`jax.distributed.initialize`); empty = one
     process. Every process runs the same command with its own process_id."""
 
-    coordinator_address: str | None = None  # host:port of process 0
+    coordinator_address: str | None = setting(None, "host:port of process 0")
     num_processes: int = 1
-    process_id: int = 0  # this process's index, 0 .. num_processes - 1
-    # seconds without a heartbeat after which the runtime declares a process dead and the
-    # others exit with an error (instead of waiting in a collective for ever)
-    heartbeat_timeout_s: int = 100
-    initialization_timeout_s: int = 300  # seconds to wait for every process to join
+    process_id: int = setting(0, "this process's index, 0 .. num_processes - 1")
+    heartbeat_timeout_s: int = setting(
+        100,
+        (
+            "seconds without a heartbeat after which the runtime declares a process dead "
+            "and the others exit with an error (instead of waiting in a collective for "
+            "ever)"
+        ),
+    )
+    initialization_timeout_s: int = setting(300, "seconds to wait for every process to join")
 
     def __post_init__(self) -> None:
         check_field_types(self)

@@ -36,12 +36,25 @@ UseLoRA = bool | jax.Array
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
     rank: int = 16
-    alpha: float = 32.0  # the update is scaled by alpha / rank (PEFT's convention)
-    targets: tuple[str, ...] = TARGETS  # the projections that carry an adapter
-    dropout: float = 0.0  # on the adapter's input, in training only
-    # per-module adapters: "pattern=adapter" entries, fnmatch patterns over the program's
-    # predictor names (named_predictors()), the first match wins; () is one adapter for all
-    modules: tuple[str, ...] = ()
+    alpha: float = dataclasses.field(
+        default=32.0, metadata={"help": "the update is scaled by alpha / rank (PEFT's convention)"}
+    )
+    targets: tuple[str, ...] = dataclasses.field(
+        default=TARGETS, metadata={"help": "the projections that carry an adapter"}
+    )
+    dropout: float = dataclasses.field(
+        default=0.0, metadata={"help": "on the adapter's input, in training only"}
+    )
+    modules: tuple[str, ...] = dataclasses.field(
+        default=(),
+        metadata={
+            "help": (
+                'per-module adapters: "pattern=adapter" entries, fnmatch patterns over the '
+                "program's predictor names (named_predictors()), the first match wins; () is "
+                "one adapter for all"
+            )
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.rank < 1:

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from mmgrpo_jax.config_files import setting
 from mmgrpo_jax.engines.openai_lm import OpenAICompatibleLM
 from mmgrpo_jax.errors import check_field_types
 from mmgrpo_jax.program.lm import LM
@@ -49,7 +50,9 @@ class ExternalLMConfig:
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
     name: str = "banking77"
-    data_dir: str | None = None  # a local copy (docs/tasks.md); else $MMGRPO_DATA_DIR, else the hub
+    data_dir: str | None = setting(
+        None, "a local copy (docs/tasks.md); else $MMGRPO_DATA_DIR, else the hub"
+    )
     split_seed: int = 0
     untrusted_lm: ExternalLMConfig = dataclasses.field(default_factory=ExternalLMConfig)
     judge_lm: ExternalLMConfig = dataclasses.field(default_factory=ExternalLMConfig)

@@ -57,7 +57,7 @@ class _HelpWithKeys(argparse.Action):
         keys, notes = config_keys(config_cls), key_notes(config_cls)
         for key, default in keys:
             print(f"  {key}={shown_default(default)}")
-            if key in notes:  # what the key is for: the comment beside its field
+            if key in notes:  # what the key is for: its field's help
                 print(
                     textwrap.fill(
                         notes[key], 100, initial_indent=" " * 6, subsequent_indent=" " * 6

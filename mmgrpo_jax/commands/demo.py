@@ -30,7 +30,7 @@ from typing import Any, TextIO
 from transformers import PreTrainedTokenizerFast
 
 from mmgrpo_jax import parallel
-from mmgrpo_jax.config_files import config_tree
+from mmgrpo_jax.config_files import config_tree, setting
 from mmgrpo_jax.engines.base import Sampling
 from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.errors import UserError, check_field_types
@@ -74,39 +74,58 @@ UNRECORDED = ("run_dir", "resume", "progress", "parallel", "distributed")
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-    testbed: str = "two_doors"  # a programs.testbeds name
-    method: str = "mmgrpo"  # or Table 1's vanilla | prompt_opt | better_together
-    prompt_candidates: int = 6  # prompt_opt, better_together: instructions and demo sets
+    testbed: str = setting("two_doors", "a programs.testbeds name")
+    method: str = setting("mmgrpo", "or Table 1's vanilla | prompt_opt | better_together")
+    prompt_candidates: int = setting(6, "prompt_opt, better_together: instructions and demo sets")
     grouping: str = "module"
     num_steps: int = 150
     num_rollouts: int = 8
     examples_per_step: int = 16
     lr: float = 1e-2
-    align: str = "truncate"  # how module-level groups line up unequal invocation counts
+    align: str = setting("truncate", "how module-level groups line up unequal invocation counts")
     loss: str = "grpo"
     epsilon_high: float | None = None
-    # k3 KL to a frozen copy of the initial (near-uniform) weights: it keeps some mass on every
-    # reply, so no clue turns deterministic on a wrong one before its right reply was sampled
-    beta: float = 0.04
+    beta: float = setting(
+        0.04,
+        (
+            "k3 KL to a frozen copy of the initial (near-uniform) weights: it keeps some "
+            "mass on every reply, so no clue turns deterministic on a wrong one before its "
+            "right reply was sampled"
+        ),
+    )
     format_failure_score: float = -1.0
     hidden_size: int = 32
     num_layers: int = 2
     seed: int = 0
-    # the output head's init relative to LeCun's: small, so no seed starts with almost no mass
-    # on the replies that parse (testing.word_policy)
-    head_scale: float = 0.25
-    # what the policy reads of a prompt's words outside its vocabulary (build_word_tokenizer):
-    # "drop" leaves them out, "unk" reads each as [UNK] (the demo before 2026-12-02)
-    unknown_words: str = "drop"
+    head_scale: float = setting(
+        0.25,
+        (
+            "the output head's init relative to LeCun's: small, so no seed starts with "
+            "almost no mass on the replies that parse (testing.word_policy)"
+        ),
+    )
+    unknown_words: str = setting(
+        "drop",
+        (
+            "what the policy reads of a prompt's words outside its vocabulary "
+            '(build_word_tokenizer): "drop" leaves them out, "unk" reads each as [UNK] (the'
+            " demo before 2026-12-02)"
+        ),
+    )
     checkpoint_every: int = 50
-    # examples a step whose calls go to samples.jsonl (-1: all; `mmgrpo samples RUN_DIR`)
-    samples_per_step: int = 2
-    run_dir: str | None = None  # default: a new runs/demo-<time>-<suffix>
-    resume: bool = False  # continue the run in run_dir from its newest checkpoint
+    samples_per_step: int = setting(
+        2, ("examples a step whose calls go to samples.jsonl (-1: all; `mmgrpo samples RUN_DIR`)")
+    )
+    run_dir: str | None = setting(None, "default: a new runs/demo-<time>-<suffix>")
+    resume: bool = setting(False, "continue the run in run_dir from its newest checkpoint")
     progress: bool = True
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    # several processes: each runs the same command with its process_id and the same run_dir
-    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    distributed: DistributedConfig = setting(
+        note=(
+            "several processes: each runs the same command with its process_id and the same run_dir"
+        ),
+        factory=DistributedConfig,
+    )
 
     def __post_init__(self) -> None:
         """Every value is checked here, before a model is built: the trainer's own checks run

@@ -24,7 +24,7 @@ from typing import Any, Literal, TextIO
 import jax.numpy as jnp
 
 from mmgrpo_jax import parallel
-from mmgrpo_jax.config_files import build_config, config_to_dict, config_tree
+from mmgrpo_jax.config_files import build_config, config_to_dict, config_tree, setting
 from mmgrpo_jax.engines.base import Sampling
 from mmgrpo_jax.engines.lm import EngineLM, module_adapters
 from mmgrpo_jax.errors import UserError, check_field_types
@@ -63,16 +63,24 @@ class ExperimentConfig:
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     mmgrpo: MMGRPOConfig = dataclasses.field(default_factory=MMGRPOConfig)
     prompt_opt: PromptOptConfig = dataclasses.field(default_factory=PromptOptConfig)
-    # Writes instruction proposals; no base_url: the checkpoint's frozen base weights. MIPROv2
-    # proposes at temperature 1.0.
-    prompt_lm: ExternalLMConfig = dataclasses.field(
-        default_factory=lambda: ExternalLMConfig(temperature=1.0)
+    prompt_lm: ExternalLMConfig = setting(
+        note=(
+            "Writes instruction proposals; no base_url: the checkpoint's frozen base "
+            "weights. MIPROv2 proposes at temperature 1.0."
+        ),
+        factory=lambda: ExternalLMConfig(temperature=1.0),
     )
-    prompt_state: str | None = None  # prompts to start from: optimize-prompts' prompt_state.json
-    strategy: str = "p -> w"  # better-together's stages; "none": the program as written, scored
-    train_limit: int | None = None  # first N training examples (smoke runs)
+    prompt_state: str | None = setting(
+        None, "prompts to start from: optimize-prompts' prompt_state.json"
+    )
+    strategy: str = setting(
+        "p -> w", 'better-together\'s stages; "none": the program as written, scored'
+    )
+    train_limit: int | None = setting(None, "first N training examples (smoke runs)")
     val_limit: int | None = None
-    test_limit: int | None = None  # first N test examples better-together scores each stage on
+    test_limit: int | None = setting(
+        None, "first N test examples better-together scores each stage on"
+    )
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -100,12 +108,14 @@ class ExperimentConfig:
 class EvalConfig:
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     model_path: str = ""
-    adapter_path: str | None = None  # a PEFT adapter, e.g. <run_dir>/adapter
+    adapter_path: str | None = setting(None, "a PEFT adapter, e.g. <run_dir>/adapter")
     split: Literal["train", "dev", "test"] = "dev"
     limit: int | None = None
     max_completion_tokens: int = 512
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    out: str | None = None  # predictions JSONL; default runs/eval-<task>-<split>-<time>.jsonl
+    out: str | None = setting(
+        None, "predictions JSONL; default runs/eval-<task>-<split>-<time>.jsonl"
+    )
 
     def __post_init__(self) -> None:
         check_field_types(self)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Literal, TextIO
 
+from mmgrpo_jax.config_files import setting
 from mmgrpo_jax.errors import check_field_types
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.lm import LM
@@ -33,21 +34,25 @@ AUTO = {"light": (6, 100), "medium": (12, 300), "heavy": (18, 1000)}  # candidat
 @dataclasses.dataclass(frozen=True)
 class PromptOptConfig:
     auto: Literal["light", "medium", "heavy"] | None = "light"
-    num_candidates: int | None = None  # instructions and demo sets per predictor; overrides auto
-    num_trials: int | None = None  # default: MIPROv2's rule from predictors and candidates
-    max_valset: int | None = None  # default: from auto
+    num_candidates: int | None = setting(
+        None, "instructions and demo sets per predictor; overrides auto"
+    )
+    num_trials: int | None = setting(None, "default: MIPROv2's rule from predictors and candidates")
+    max_valset: int | None = setting(None, "default: from auto")
     minibatch_size: int = 35
     full_eval_every: int = 5
-    parallel_trials: int = 4  # configurations scored together; 1 = strictly sequential TPE
+    parallel_trials: int = setting(4, "configurations scored together; 1 = strictly sequential TPE")
     max_bootstrapped_demos: int = 4
     max_labeled_demos: int = 4
-    bootstrap_pool: int | None = 40  # teacher runs; None = the whole trainset
-    metric_threshold: float | None = None  # a bootstrapped trace passes at >=; None: truthy
+    bootstrap_pool: int | None = setting(40, "teacher runs; None = the whole trainset")
+    metric_threshold: float | None = setting(
+        None, "a bootstrapped trace passes at >=; None: truthy"
+    )
     summary_examples: int = 30
     summary_batch: int = 10
     cache: bool = True
     seed: int = 0
-    out_dir: str | None = None  # prompt state JSON + trial log
+    out_dir: str | None = setting(None, "prompt state JSON + trial log")
 
     def __post_init__(self) -> None:
         check_field_types(self)

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mmgrpo_jax.config_files import setting
 from mmgrpo_jax.errors import check_field_types
 from mmgrpo_jax.rl.registry import Registry
 
@@ -164,33 +165,53 @@ class LossConfig:
     normaliser: left unset in an MMGRPOConfig it becomes the sampler's `max_completion_tokens`.
     """
 
-    # grpo | bnpo | dapo | dr_grpo | cispo | gspo | sapo | luspo | vespo, or a registered one
-    variant: str = "grpo"
-    epsilon: float = 0.2  # the lower clip: rho >= 1 - epsilon
-    epsilon_high: float | None = None  # the upper clip (cispo: the cap); null: epsilon
-    delta: float | None = None  # two-sided clipping: rho <= delta in the unclipped term
-    beta: float = 0.0  # the k3 KL to the base weights (LoRA off); 0: no reference pass
-    max_completion_length: int | None = None  # dr_grpo's normaliser; null: the sampler's
-    sapo_tau_pos: float = 1.0  # sapo's gate temperature for A > 0
-    sapo_tau_neg: float = 1.05  # and for A <= 0
-    vespo_k_pos: float = 2.0  # vespo's gamma weight phi(w) = exp(lam + k log w - lam w), A >= 0
+    variant: str = setting(
+        "grpo",
+        ("grpo | bnpo | dapo | dr_grpo | cispo | gspo | sapo | luspo | vespo, or a registered one"),
+    )
+    epsilon: float = setting(0.2, "the lower clip: rho >= 1 - epsilon")
+    epsilon_high: float | None = setting(None, "the upper clip (cispo: the cap); null: epsilon")
+    delta: float | None = setting(None, "two-sided clipping: rho <= delta in the unclipped term")
+    beta: float = setting(0.0, "the k3 KL to the base weights (LoRA off); 0: no reference pass")
+    max_completion_length: int | None = setting(None, "dr_grpo's normaliser; null: the sampler's")
+    sapo_tau_pos: float = setting(1.0, "sapo's gate temperature for A > 0")
+    sapo_tau_neg: float = setting(1.05, "and for A <= 0")
+    vespo_k_pos: float = setting(
+        2.0, "vespo's gamma weight phi(w) = exp(lam + k log w - lam w), A >= 0"
+    )
     vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0  # and for A < 0
+    vespo_k_neg: float = setting(3.0, "and for A < 0")
     vespo_lambda_neg: float = 2.0
-    # a registered aggregation in place of the variant's own; MMGRPOConfig.loss_unit sets it
-    aggregation: str | None = None
-    # sampler-mismatch correction (TRL's vllm_importance_sampling_mode): token_truncate |
-    # token_mask | sequence_truncate | sequence_mask; null: off. The weight exp(l_old - l_sampler)
-    # (per token, or its sum per sequence) is clamped to, or zeroed outside, [min, max]
-    sampler_correction: str | None = None
-    sampler_correction_min: float | None = None  # null: no lower bound
-    sampler_correction_max: float | None = 3.0  # null: no upper bound
-    # the KL term weighted by the importance ratio (TRL's use_bias_correction_kl, on by default
-    # there): the unbiased reverse-KL gradient; changes the gradient even at ratio 1
-    kl_bias_correction: bool = False
-    # DeepSeek-V3.2's off-policy sequence mask: a row with A < 0 whose mean (sampler - trainer)
-    # log-prob gap is above this drops out of the loss; null: off
-    off_policy_mask_threshold: float | None = None
+    aggregation: str | None = setting(
+        None,
+        ("a registered aggregation in place of the variant's own; MMGRPOConfig.loss_unit sets it"),
+    )
+    sampler_correction: str | None = setting(
+        None,
+        (
+            "sampler-mismatch correction (TRL's vllm_importance_sampling_mode): "
+            "token_truncate | token_mask | sequence_truncate | sequence_mask; null: off. "
+            "The weight exp(l_old - l_sampler) (per token, or its sum per sequence) is "
+            "clamped to, or zeroed outside, [min, max]"
+        ),
+    )
+    sampler_correction_min: float | None = setting(None, "null: no lower bound")
+    sampler_correction_max: float | None = setting(3.0, "null: no upper bound")
+    kl_bias_correction: bool = setting(
+        False,
+        (
+            "the KL term weighted by the importance ratio (TRL's use_bias_correction_kl, on"
+            " by default there): the unbiased reverse-KL gradient; changes the gradient "
+            "even at ratio 1"
+        ),
+    )
+    off_policy_mask_threshold: float | None = setting(
+        None,
+        (
+            "DeepSeek-V3.2's off-policy sequence mask: a row with A < 0 whose mean (sampler"
+            " - trainer) log-prob gap is above this drops out of the loss; null: off"
+        ),
+    )
 
     @property
     def aggregation_name(self) -> str:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from mmgrpo_jax.commands import SWEEP_COMMANDS, command_config
-from mmgrpo_jax.config_files import read_yaml
+from mmgrpo_jax.config_files import read_yaml, setting
 from mmgrpo_jax.errors import UserError, check_field_types
 
 
@@ -114,24 +114,42 @@ class BaselineFrom:
 
 @dataclasses.dataclass(frozen=True)
 class SweepConfig:
-    command: str = "train"  # the mmgrpo subcommand every run is: demo | train | better-together
-    config: str | None = None  # that command's YAML config: every run's base
-    overrides: tuple[str, ...] = ()  # key=value on every run
+    command: str = setting(
+        "train", "the mmgrpo subcommand every run is: demo | train | better-together"
+    )
+    config: str | None = setting(None, "that command's YAML config: every run's base")
+    overrides: tuple[str, ...] = setting((), "key=value on every run")
     grid: tuple[Axis, ...] = ()
     seeds: tuple[int, ...] = (0,)
-    out: str = "runs/sweep"  # the sweep folder: runs/<cell>/seed<k>, table.md, table.csv, ...
-    jobs: int = 1  # runs at a time
-    # Each run's XLA CPU work on one thread (--xla_cpu_multi_thread_eigen=false): tiny policies
-    # gain little from threads, so jobs=cores with this is the fastest sweep of them on a CPU.
-    single_thread: bool = False
-    baseline: tuple[tuple[str, str], ...] = ()  # the cell others are compared to; default: first
-    baseline_from: BaselineFrom | None = None  # or another sweep's cell (module doc)
-    score: str = "eval_reward_after"  # summary.json's key for a run's final score
-    curve: str = "eval_reward"  # metrics.jsonl's key for learning curves and steps-to-threshold
+    out: str = setting(
+        "runs/sweep", "the sweep folder: runs/<cell>/seed<k>, table.md, table.csv, ..."
+    )
+    jobs: int = setting(1, "runs at a time")
+    single_thread: bool = setting(
+        False,
+        (
+            "Each run's XLA CPU work on one thread (--xla_cpu_multi_thread_eigen=false): "
+            "tiny policies gain little from threads, so jobs=cores with this is the fastest"
+            " sweep of them on a CPU."
+        ),
+    )
+    baseline: tuple[tuple[str, str], ...] = setting(
+        (), "the cell others are compared to; default: first"
+    )
+    baseline_from: BaselineFrom | None = setting(None, "or another sweep's cell (module doc)")
+    score: str = setting("eval_reward_after", "summary.json's key for a run's final score")
+    curve: str = setting(
+        "eval_reward", "metrics.jsonl's key for learning curves and steps-to-threshold"
+    )
     threshold: float | None = None
-    # metrics.jsonl keys to explain the scores with (clip fractions, zero-variance shares, KL):
-    # each run's mean over the rows that log one, per cell in diagnostics.md / diagnostics.csv
-    diagnostics: tuple[str, ...] = ()
+    diagnostics: tuple[str, ...] = setting(
+        (),
+        (
+            "metrics.jsonl keys to explain the scores with (clip fractions, zero-variance "
+            "shares, KL): each run's mean over the rows that log one, per cell in "
+            "diagnostics.md / diagnostics.csv"
+        ),
+    )
     confidence: float = 0.95
     title: str = ""
 

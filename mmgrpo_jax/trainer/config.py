@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 import mmgrpo_jax.rl.branch  # noqa: F401 (registers grouping="branch")
+from mmgrpo_jax.config_files import setting
 from mmgrpo_jax.errors import bad_field as _bad
 from mmgrpo_jax.errors import check_field_types
 from mmgrpo_jax.parallel import DistributedConfig, ParallelConfig
@@ -37,12 +38,16 @@ LOSS_UNITS = ("token", "call", "trajectory", "example")  # MMGRPOConfig.loss_uni
 class OptimConfig:
     """AdamW with warmup, an optional decay to zero, and global-norm clipping."""
 
-    lr: float = 1e-5  # the peak learning rate, after warmup
-    warmup_steps: int = 0  # linear warmup from 0
-    decay: Literal["constant", "linear", "cosine"] = "constant"  # after warmup, to 0 at the end
-    weight_decay: float = 0.0  # AdamW's, decoupled
-    max_grad_norm: float = 1.0  # global-norm clipping of the whole step's gradient
-    micro_batch_size: int = 8  # rows per forward/backward; a step accumulates its micro-batches
+    lr: float = setting(1e-5, "the peak learning rate, after warmup")
+    warmup_steps: int = setting(0, "linear warmup from 0")
+    decay: Literal["constant", "linear", "cosine"] = setting(
+        "constant", "after warmup, to 0 at the end"
+    )
+    weight_decay: float = setting(0.0, "AdamW's, decoupled")
+    max_grad_norm: float = setting(1.0, "global-norm clipping of the whole step's gradient")
+    micro_batch_size: int = setting(
+        8, "rows per forward/backward; a step accumulates its micro-batches"
+    )
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -80,20 +85,34 @@ class OptimConfig:
 class SamplerConfig:
     """How rollouts sample; the trainer's log-probs use the same temperature."""
 
-    temperature: float = 1.0  # > 0 in training (evaluation samples greedily)
-    top_p: float = 1.0  # nucleus sampling; 1.0 = the full distribution
-    max_prompt_tokens: int | None = None  # longer prompts are refused; null: the model's limit
-    max_completion_tokens: int = 256  # new tokens per LM call at most
-    batch: int = 64  # most requests in one sampler call
-    # most padded rows x cache slots (prompt + new tokens, bucketed) one sampler call may hold:
-    # a larger batch is sampled in several calls; null = no bound (`mmgrpo plan` sizes it)
-    max_cache_tokens: int | None = None
-    max_wait_s: float = 0.05  # a batch closes early once its oldest request waited this long
-    # continuous: `batch` slots that requests join and leave between decode calls of
-    # `decode_steps` tokens (engines.continuous); static: batches decoded to their longest row
-    engine: Literal["continuous", "static"] = "continuous"
-    decode_steps: int = 8  # continuous: tokens per decode call between admissions
-    prefix_sharing: bool = True  # continuous: prefill a prefix a slot holds once, copy it
+    temperature: float = setting(1.0, "> 0 in training (evaluation samples greedily)")
+    top_p: float = setting(1.0, "nucleus sampling; 1.0 = the full distribution")
+    max_prompt_tokens: int | None = setting(
+        None, "longer prompts are refused; null: the model's limit"
+    )
+    max_completion_tokens: int = setting(256, "new tokens per LM call at most")
+    batch: int = setting(64, "most requests in one sampler call")
+    max_cache_tokens: int | None = setting(
+        None,
+        (
+            "most padded rows x cache slots (prompt + new tokens, bucketed) one sampler "
+            "call may hold: a larger batch is sampled in several calls; null = no bound "
+            "(`mmgrpo plan` sizes it)"
+        ),
+    )
+    max_wait_s: float = setting(
+        0.05, "a batch closes early once its oldest request waited this long"
+    )
+    engine: Literal["continuous", "static"] = setting(
+        "continuous",
+        (
+            "continuous: `batch` slots that requests join and leave between decode calls of"
+            " `decode_steps` tokens (engines.continuous); static: batches decoded to their "
+            "longest row"
+        ),
+    )
+    decode_steps: int = setting(8, "continuous: tokens per decode call between admissions")
+    prefix_sharing: bool = setting(True, "continuous: prefill a prefix a slot holds once, copy it")
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -123,27 +142,51 @@ class MemoryConfig:
     reference paths, right for tiny models; an 8B policy at 8k context needs blockwise
     attention, remat and the two chunks (`mmgrpo plan` shows each one's effect)."""
 
-    # dense: the reference; blockwise: online-softmax tiles with their own backward pass;
-    # pallas: the fused kernel for passes without a cache (GPU), blockwise for the sampler
-    attention: Literal["dense", "blockwise", "pallas"] = "dense"
-    attention_block: int = 512  # query and key positions per attention tile
-    remat: bool = False  # recompute every block in the backward pass (keep block inputs only)
-    logits_chunk: int = 0  # positions per lm_head chunk in log-prob passes; 0 = all at once
-    prefill_chunk: int = 0  # prompt tokens per sampler prefill pass; 0 = the whole prompt
-    # training rows packed end to end into sequences (no row padded to the longest): each
-    # micro-batch holds no more token slots than optim.micro_batch_size padded rows would, in
-    # sequences sized from the step's rows; false: rows padded (the reference)
-    pack: bool = True
-    # the longest a packed sequence may be, in tokens; 0: chosen from the step's rows
-    pack_length: int = 0
-    # with pack: every packed sequence is a prefix tree of its rows, so a prefix that rows share
-    # (a group's G calls of a module on one input, the instruction across inputs, replies that
-    # agree) is computed once in the forward and backward, exactly; false: rows packed apart
-    share_prompts: bool = True
-    # `mmgrpo train` compiles the step and the sampler abstractly before reading weights and
-    # refuses a run that cannot fit; false skips that (a run that does not fit then fails at
-    # its first out-of-memory error)
-    check_fit: bool = True
+    attention: Literal["dense", "blockwise", "pallas"] = setting(
+        "dense",
+        (
+            "dense: the reference; blockwise: online-softmax tiles with their own backward "
+            "pass; pallas: the fused kernel for passes without a cache (GPU), blockwise for"
+            " the sampler"
+        ),
+    )
+    attention_block: int = setting(512, "query and key positions per attention tile")
+    remat: bool = setting(
+        False, "recompute every block in the backward pass (keep block inputs only)"
+    )
+    logits_chunk: int = setting(
+        0, "positions per lm_head chunk in log-prob passes; 0 = all at once"
+    )
+    prefill_chunk: int = setting(0, "prompt tokens per sampler prefill pass; 0 = the whole prompt")
+    pack: bool = setting(
+        True,
+        (
+            "training rows packed end to end into sequences (no row padded to the longest):"
+            " each micro-batch holds no more token slots than optim.micro_batch_size padded"
+            " rows would, in sequences sized from the step's rows; false: rows padded (the "
+            "reference)"
+        ),
+    )
+    pack_length: int = setting(
+        0, ("the longest a packed sequence may be, in tokens; 0: chosen from the step's rows")
+    )
+    share_prompts: bool = setting(
+        True,
+        (
+            "with pack: every packed sequence is a prefix tree of its rows, so a prefix "
+            "that rows share (a group's G calls of a module on one input, the instruction "
+            "across inputs, replies that agree) is computed once in the forward and "
+            "backward, exactly; false: rows packed apart"
+        ),
+    )
+    check_fit: bool = setting(
+        True,
+        (
+            "`mmgrpo train` compiles the step and the sampler abstractly before reading "
+            "weights and refuses a run that cannot fit; false skips that (a run that does "
+            "not fit then fails at its first out-of-memory error)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -180,55 +223,102 @@ class MemoryConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MMGRPOConfig:
-    grouping: str = "module"  # a registered grouping rule: "module", "trajectory", or yours
-    # module-level groups when rollouts call a module unequally: truncate | fill_random |
-    # fill_last | ragged (docs: grouping)
-    align: str = "truncate"
-    num_rollouts: int = 8  # G: rollouts per example, and every group's size
-    select_k: int | None = None  # keep K members spread over the rewards instead of G
-    # grouping=branch: the predictor (named as named_predictors() names it) whose call the G
-    # rollouts of an example branch at, sharing every call before it, and which of its calls
-    branch_module: str | None = None
+    grouping: str = setting(
+        "module", 'a registered grouping rule: "module", "trajectory", or yours'
+    )
+    align: str = setting(
+        "truncate",
+        (
+            "module-level groups when rollouts call a module unequally: truncate | "
+            "fill_random | fill_last | ragged (docs: grouping)"
+        ),
+    )
+    num_rollouts: int = setting(8, "G: rollouts per example, and every group's size")
+    select_k: int | None = setting(None, "keep K members spread over the rewards instead of G")
+    branch_module: str | None = setting(
+        None,
+        (
+            "grouping=branch: the predictor (named as named_predictors() names it) whose "
+            "call the G rollouts of an example branch at, sharing every call before it, and"
+            " which of its calls"
+        ),
+    )
     branch_invocation: int = 0
     examples_per_step: int = 4
     num_steps: int = 100
-    num_iterations: int = 1  # updates per batch of rollouts (> 1: the ratios move)
-    # std per group | over the whole step (batch) | none, or a registered advantage scale
-    advantage_scale: str = "group"
+    num_iterations: int = setting(1, "updates per batch of rollouts (> 1: the ratios move)")
+    advantage_scale: str = setting(
+        "group",
+        ("std per group | over the whole step (batch) | none, or a registered advantage scale"),
+    )
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
-    # what gets equal weight in the loss: token | call | trajectory | example; null: the loss
-    # variant's aggregation over the grouping rule's unit (module: call, trajectory: trajectory)
-    loss_unit: str | None = None
+    loss_unit: str | None = setting(
+        None,
+        (
+            "what gets equal weight in the loss: token | call | trajectory | example; null:"
+            " the loss variant's aggregation over the grouping rule's unit (module: call, "
+            "trajectory: trajectory)"
+        ),
+    )
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
-    mask_truncated_completions: bool = False  # a reply cut at the token limit trains nothing
-    failure_score: float = 0.0  # the reward of a rollout whose program or metric raised
-    format_failure_score: float = -1.0  # the reward of a rollout with a reply that did not parse
-    eval_every: int = 10  # steps between greedy evaluations on the valset
-    # examples a step whose calls (prompt, reply, reward, group, advantage) go to samples.jsonl,
-    # all their rollouts; 0: none, -1: every example (TRL's num_completions_to_print)
-    samples_per_step: int = 2
-    checkpoint_every: int = 10  # steps between checkpoints (and one on a stop signal)
-    # the run stops after this many updates in a row with a non-finite loss / gradient (skipped)
-    max_skipped_updates: int = 3
-    # a step where at least this fraction of rollouts raised (program or metric) counts as
-    # failed; max_failed_steps failed steps in a row stop the run with the first error
-    failing_error_fraction: float = 1.0
+    mask_truncated_completions: bool = setting(
+        False, "a reply cut at the token limit trains nothing"
+    )
+    failure_score: float = setting(0.0, "the reward of a rollout whose program or metric raised")
+    format_failure_score: float = setting(
+        -1.0, "the reward of a rollout with a reply that did not parse"
+    )
+    eval_every: int = setting(10, "steps between greedy evaluations on the valset")
+    samples_per_step: int = setting(
+        2,
+        (
+            "examples a step whose calls (prompt, reply, reward, group, advantage) go to "
+            "samples.jsonl, all their rollouts; 0: none, -1: every example (TRL's "
+            "num_completions_to_print)"
+        ),
+    )
+    checkpoint_every: int = setting(10, "steps between checkpoints (and one on a stop signal)")
+    max_skipped_updates: int = setting(
+        3,
+        (
+            "the run stops after this many updates in a row with a non-finite loss / "
+            "gradient (skipped)"
+        ),
+    )
+    failing_error_fraction: float = setting(
+        1.0,
+        (
+            "a step where at least this fraction of rollouts raised (program or metric) "
+            "counts as failed; max_failed_steps failed steps in a row stop the run with the"
+            " first error"
+        ),
+    )
     max_failed_steps: int = 3
-    seed: int = 0  # the data order, the adapter's init and every sample
+    seed: int = setting(0, "the data order, the adapter's init and every sample")
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
-    train: Literal["lora", "full"] = "lora"  # full: every weight (tiny from-scratch policies)
-    # a local HF checkpoint folder, a GGUF, or a fetched registry model's name (smollm2-135m),
-    # when no model is passed in
-    model_path: str | None = None
-    model_shape: str | None = None  # a preset shape (qwen3-8b, ...): `mmgrpo plan` without it
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # of the weights read from model_path
-    run_dir: str = "runs/mmgrpo"  # metrics, checkpoints, the adapter; one run at a time
-    resume: bool = False  # continue from run_dir's last intact checkpoint
-    progress: bool = True  # a progress bar on stderr
+    train: Literal["lora", "full"] = setting(
+        "lora", "full: every weight (tiny from-scratch policies)"
+    )
+    model_path: str | None = setting(
+        None,
+        (
+            "a local HF checkpoint folder, a GGUF, or a fetched registry model's name "
+            "(smollm2-135m), when no model is passed in"
+        ),
+    )
+    model_shape: str | None = setting(
+        None, "a preset shape (qwen3-8b, ...): `mmgrpo plan` without it"
+    )
+    dtype: Literal["bfloat16", "float32"] = setting(
+        "bfloat16", "of the weights read from model_path"
+    )
+    run_dir: str = setting("runs/mmgrpo", "metrics, checkpoints, the adapter; one run at a time")
+    resume: bool = setting(False, "continue from run_dir's last intact checkpoint")
+    progress: bool = setting(True, "a progress bar on stderr")
 
     def __post_init__(self) -> None:
         check_field_types(self)

@@ -1,17 +1,13 @@
-"""A config class whose fields carry comments the ways config classes write them."""
+"""A config class whose fields carry their help the ways config classes write it."""
 
 import dataclasses
+
+from mmgrpo_jax.config_files import setting
 
 
 @dataclasses.dataclass(frozen=True)
 class Noted:
-    # one line above,
-    # and a second
-    above: int = 1
-    trailing: str = "x"  # at the end
-    bare: float = 0.5
-
-    # a comment a blank line away from a field is not its note
-
-    # above it
-    both: bool = True  # and at the end
+    plain: int = setting(1, "what plain is for")
+    made: tuple[int, ...] = setting(note="made fresh for each config", factory=tuple)
+    spelled: str = dataclasses.field(default="x", metadata={"help": "TRL's own spelling"})
+    bare: float = 0.5  # a comment is for the reader of the code, not --help

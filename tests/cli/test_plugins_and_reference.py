@@ -80,13 +80,14 @@ def test_the_cli_reference_lists_every_command_option_and_key():
     assert "| `mmgrpo.loss.beta` | `0.0` |" in text
 
 
-def test_a_keys_note_is_its_comment_in_the_config_class():
+def test_a_keys_note_is_its_fields_help_metadata():
     from mmgrpo_jax.config_files import field_notes
     from tests.cli.noted_config import Noted
 
     assert field_notes(Noted) == {
-        "above": "one line above, and a second",
-        "trailing": "at the end",
-        "both": "above it and at the end",
+        "plain": "what plain is for",
+        "made": "made fresh for each config",
+        "spelled": "TRL's own spelling",
     }
+    assert Noted() == Noted(plain=1, made=(), spelled="x", bare=0.5)
     assert "| `mmgrpo.loss.beta` | `0.0` | the k3 KL to the base weights" in cli_reference()
