@@ -87,7 +87,7 @@ def run_branch_rollouts(
         for example, stem in zip(examples, stems, strict=True)
         for rollout in range(1, num_rollouts)
     ]
-    branches = run_jobs(jobs, metric, max_workers=None, **common)
+    branches = run_jobs(jobs, metric, **common)
     per_stem = num_rollouts - 1
     ordered: list[Trajectory] = []
     for i, stem in enumerate(stems):

@@ -15,7 +15,7 @@ import numbers
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -108,19 +108,26 @@ def run_trajectory(
     return ended("ok", reward, None, prediction)
 
 
+class RolloutOptions(TypedDict, total=False):
+    """How rollouts run and are scored: `run_rollouts`, `run_pairs` and `run_jobs` take these
+    by name (the defaults are `run_jobs`')."""
+
+    lm: LM | None  # the LM of every call; None: each predictor's own or the context's
+    max_workers: int | None  # threads; None: one per job, at most 256
+    failure_score: float  # the reward of a trajectory whose program or metric raised
+    format_failure_score: float  # the reward of one with a reply that did not parse
+    progress: bool  # a bar over the jobs
+
+
 def run_rollouts(
     program: Module,
     examples: Sequence[Example],
     metric: Metric,
     *,
     num_rollouts: int,
-    lm: LM | None = None,
-    max_workers: int | None = None,
-    failure_score: float = 0.0,
-    format_failure_score: float = -1.0,
-    progress: bool = False,
     first_example: int = 0,
     key_prefix: tuple[int, ...] | None = None,
+    **options: Unpack[RolloutOptions],
 ) -> list[Trajectory]:
     """G trajectories per example on a thread pool, ordered by (example, rollout).
 
@@ -136,44 +143,22 @@ def run_rollouts(
         for e, example in enumerate(examples)
         for r in range(num_rollouts)
     ]
-    return run_jobs(
-        jobs,
-        metric,
-        lm=lm,
-        max_workers=max_workers,
-        failure_score=failure_score,
-        format_failure_score=format_failure_score,
-        progress=progress,
-        key_prefix=key_prefix,
-    )
+    return run_jobs(jobs, metric, key_prefix=key_prefix, **options)
 
 
 def run_pairs(
     pairs: Sequence[tuple[Module, Example]],
     metric: Metric,
     *,
-    lm: LM | None = None,
-    max_workers: int | None = None,
-    failure_score: float = 0.0,
-    format_failure_score: float = -1.0,
-    progress: bool = False,
     on_result: Callable[[Trajectory], None] | None = None,
+    **options: Unpack[RolloutOptions],
 ) -> list[Trajectory]:
     """One run of each (program, example) pair, all on one thread pool; trajectory i (its
     example_index) is pair i's. Different programs (prompt candidates, teachers) share the LM's
     batches this way instead of taking turns. `on_result` sees each trajectory as it finishes
     (in the calling thread), so a caller keeps what finished if the run is interrupted."""
     jobs = [RolloutJob(program, example, i, 0) for i, (program, example) in enumerate(pairs)]
-    return run_jobs(
-        jobs,
-        metric,
-        lm=lm,
-        max_workers=max_workers,
-        failure_score=failure_score,
-        format_failure_score=format_failure_score,
-        progress=progress,
-        on_result=on_result,
-    )
+    return run_jobs(jobs, metric, on_result=on_result, **options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,15 +177,16 @@ def run_jobs(
     jobs: Sequence[RolloutJob],
     metric: Metric,
     *,
-    lm: LM | None,
-    max_workers: int | None,
-    failure_score: float,
-    format_failure_score: float,
-    progress: bool,
     on_result: Callable[[Trajectory], None] | None = None,
     key_prefix: tuple[int, ...] | None = None,
+    lm: LM | None = None,
+    max_workers: int | None = None,
+    failure_score: float = 0.0,
+    format_failure_score: float = -1.0,
+    progress: bool = False,
 ) -> list[Trajectory]:
-    """The jobs' trajectories, in job order, on one thread pool (see `run_rollouts`)."""
+    """The jobs' trajectories, in job order, on one thread pool (see `run_rollouts`; the last
+    five are `RolloutOptions`)."""
     for spec in jobs:
         # fail here, not in a worker thread, on a row without input keys or the program's
         spec.program.check_inputs(spec.example.inputs(), f"example {spec.example_index}")
