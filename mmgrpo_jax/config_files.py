@@ -169,8 +169,9 @@ def setting(
     factory: Callable[[], Any] | None = None,
 ) -> Any:
     """A config field and what it is for, kept as `metadata["help"]` (TRL's convention, shorter
-    to write): the one text `--help`, the CLI reference and `field_notes` read."""
-    metadata = {"help": note} if note else {}
+    to write): the one text `--help`, the CLI reference and `field_notes` read, and the API
+    pages show (griffe-fieldz reads the same note as `metadata["description"]`)."""
+    metadata = {"help": note, "description": note} if note else {}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

@@ -33,27 +33,31 @@ DEFAULT_ADAPTER = "default"
 UseLoRA = bool | jax.Array
 
 
+def _note(text: str) -> dict[str, str]:
+    """A config field's help, as `mmgrpo_jax.config_files.setting` keeps it (`models` sits below
+    that module): `help` for --help and the CLI reference, `description` for the API pages."""
+    return {"help": text, "description": text}
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
     rank: int = 16
     alpha: float = dataclasses.field(
-        default=32.0, metadata={"help": "the update is scaled by alpha / rank (PEFT's convention)"}
+        default=32.0, metadata=_note("the update is scaled by alpha / rank (PEFT's convention)")
     )
     targets: tuple[str, ...] = dataclasses.field(
-        default=TARGETS, metadata={"help": "the projections that carry an adapter"}
+        default=TARGETS, metadata=_note("the projections that carry an adapter")
     )
     dropout: float = dataclasses.field(
-        default=0.0, metadata={"help": "on the adapter's input, in training only"}
+        default=0.0, metadata=_note("on the adapter's input, in training only")
     )
     modules: tuple[str, ...] = dataclasses.field(
         default=(),
-        metadata={
-            "help": (
-                'per-module adapters: "pattern=adapter" entries, fnmatch patterns over the '
-                "program's predictor names (named_predictors()), the first match wins; () is "
-                "one adapter for all"
-            )
-        },
+        metadata=_note(
+            'per-module adapters: "pattern=adapter" entries, fnmatch patterns over the '
+            "program's predictor names (named_predictors()), the first match wins; () is one "
+            "adapter for all"
+        ),
     )
 
     def __post_init__(self) -> None:

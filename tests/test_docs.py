@@ -68,6 +68,8 @@ def test_the_site_builds_strict(tmp_path):
     assert "Per run, the mean of each key" in results  # a sweep's diagnostics, inlined too
     assert (site / "results" / "demo_seeds" / "curves.png").is_file()
     assert "policy_loss" in (site / "api" / "rl" / "index.html").read_text()  # from docstrings
+    trainer = (site / "api" / "trainer" / "index.html").read_text()
+    assert "the peak learning rate, after warmup" in trainer  # a config field's help (setting())
 
 
 def test_the_grouping_picture_draws(tmp_path):

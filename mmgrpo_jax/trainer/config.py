@@ -85,7 +85,7 @@ class OptimConfig:
 class SamplerConfig:
     """How rollouts sample; the trainer's log-probs use the same temperature."""
 
-    temperature: float = setting(1.0, "> 0 in training (evaluation samples greedily)")
+    temperature: float = setting(1.0, "above 0 in training (evaluation samples greedily)")
     top_p: float = setting(1.0, "nucleus sampling; 1.0 = the full distribution")
     max_prompt_tokens: int | None = setting(
         None, "longer prompts are refused; null: the model's limit"
