@@ -508,11 +508,24 @@ def changed_keys(
     return sorted(k for k in keys if not same(old.get(k), new.get(k)) and not added_as_default(k))
 
 
-def computes_the_same(key: str) -> bool:
-    """Whether a dotted config key says only how a run is computed, not what: the memory
-    layout (remat, chunks, packing, shared prefixes) and the device mesh. Runs that differ only
-    in these are the same run, up to floating-point summation order."""
-    return key.split(".")[-2:-1] in (["memory"], ["parallel"])
+def computes_the_same(key: str, old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether a dotted config key, changed between two flat settings, says only how a run is
+    computed, not what: the memory layout (remat, chunks, packing, shared prefixes), the device
+    mesh, and the micro-batch size (the loss carries the step's normalisers, so accumulated
+    micro-batches give the step's loss: tests/rl/test_step.py) unless the loss is bnpo (a mean
+    of micro-batch token means by definition) or LoRA dropout draws per micro-batch. Runs that
+    differ only in these are the same run, up to floating-point summation order."""
+    if key.split(".")[-2:-1] in (["memory"], ["parallel"]):
+        return True
+    suffix = "optim.micro_batch_size"
+    if key == suffix or key.endswith("." + suffix):
+        prefix = key[: -len(suffix)]
+        return all(
+            s.get(f"{prefix}loss.variant") not in (None, "bnpo")
+            and s.get(f"{prefix}lora.dropout", 0.0) == 0.0
+            for s in (old, new)
+        )
+    return False
 
 
 def describe_changes(old: dict[str, Any], new: dict[str, Any], keys: Sequence[str]) -> str:

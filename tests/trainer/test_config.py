@@ -12,6 +12,7 @@ from mmgrpo_jax.trainer.config import (
     ParallelConfig,
     SamplerConfig,
     changed_keys,
+    computes_the_same,
     field_defaults,
     flatten,
 )
@@ -121,6 +122,25 @@ def test_a_field_added_at_its_default_is_no_change_to_an_older_record():
     moved = {**now, "loss.sapo_tau_pos": 2.0}
     assert changed_keys(older, moved, defaults) == ["loss.sapo_tau_pos"]
     assert changed_keys({**older, "loss.gone": 1}, now, defaults) == ["loss.gone"]
+
+
+@pytest.mark.parametrize("prefix", ["", "mmgrpo."])  # train's settings, better-together's
+def test_how_a_run_is_computed_is_not_what_it_computes(prefix):
+    """A sweep reuses a finished run whose settings differ only in memory layout, mesh or
+    micro-batch size; bnpo (a mean of micro-batch means) and LoRA dropout (a draw per
+    micro-batch) make the micro-batch size part of what is computed."""
+    now = {f"{prefix}{k}": v for k, v in flatten(dataclasses.asdict(MMGRPOConfig())).items()}
+    key = f"{prefix}optim.micro_batch_size"
+    older = {**now, key: 8, f"{prefix}memory.logits_chunk": 0}
+    newer = {**now, key: 4, f"{prefix}memory.logits_chunk": 256}
+    assert sorted(changed_keys(older, newer)) == sorted([key, f"{prefix}memory.logits_chunk"])
+    assert all(computes_the_same(k, older, newer) for k in changed_keys(older, newer))
+    for what in ({"loss.variant": "bnpo"}, {"lora.dropout": 0.1}):
+        setting = {f"{prefix}{k}": v for k, v in what.items()}
+        assert not computes_the_same(key, {**older, **setting}, newer)
+        assert not computes_the_same(key, older, {**newer, **setting})
+    for key in ("optim.lr", "sampler.max_prompt_tokens", "num_steps", "loss.variant"):
+        assert not computes_the_same(f"{prefix}{key}", older, newer)
 
 
 def test_packed_rows_need_a_prompt_bound_so_no_row_can_outgrow_them_after_rollouts(capsys):
