@@ -32,7 +32,15 @@ def test_the_readmes_code_blocks_run(tmp_path):
     assert (tmp_path / "runs" / "quickstart" / "adapter" / "adapter_config.json").is_file()
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
+# ~60 s, training a program by each optimizer in turn: make test-slow runs it
+SLOW_PAGES = {DOCS / "tasks.md"}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PAGES else p for p in PAGES],
+    ids=[str(p.relative_to(DOCS)) for p in PAGES],
+)
 def test_a_pages_code_blocks_run(page, tmp_path):
     _run_code_blocks(page, tmp_path)
 

@@ -106,6 +106,7 @@ def test_logits_within_2e_4_of_transformers_on_8_chats(ours, theirs):
     assert worst <= 2e-4, f"max |logit diff| {worst:.3g} over logits up to {largest:.1f}"
 
 
+@pytest.mark.slow  # ~70 s: 64-token greedy decoding in both stacks; the logits above stay fast
 def test_greedy_64_tokens_equal_hf_generate_stop_included(ours, theirs):
     model, tokenizer, stop = ours
     hf_model, _ = theirs
