@@ -1,12 +1,13 @@
 """Candidate few-shot demo sets for every predictor of a program.
 
-Slot 0 is empty (zero-shot); slot 1 holds labeled examples only; slot 2 the teacher's first
-successful traces in trainset order; slots 3.. successes in a shuffled order, a random number in
-[1, max_bootstrapped] of them. Bootstrapped sets are topped up with labeled examples to
-`max_labeled` demos. The teacher (the program with labeled demos, minus the example it is running
-on) runs once on each example of a fixed pool, so the cost is known before anything runs:
-`len(pool)` program runs, or none when max_bootstrapped is 0. The pool runs concurrently, so a
-batching LM samples the teachers together.
+Slot 0 holds the predictor's own demos, so that candidate 0 everywhere is the program as given
+(zero-shot when it has none, as DSPy's default program); slot 1 holds labeled examples only;
+slot 2 the teacher's first successful traces in trainset order; slots 3.. successes in a
+shuffled order, a random number in [1, max_bootstrapped] of them. Bootstrapped sets are topped
+up with labeled examples to `max_labeled` demos. The teacher (the program with labeled demos,
+minus the example it is running on) runs once on each example of a fixed pool, so the cost is
+known before anything runs: `len(pool)` program runs, or none when max_bootstrapped is 0. The
+pool runs concurrently, so a batching LM samples the teachers together.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def build_demo_sets(
 ) -> tuple[DemoSets, int]:
     """(demo sets per predictor, program runs made)."""
     if num_sets < 2:
-        raise ValueError(f"num_sets must be >= 2 (zero-shot and labeled), got {num_sets}")
+        raise ValueError(f"num_sets must be >= 2 (the program's own and labeled), got {num_sets}")
     if max_bootstrapped < 0 or max_labeled < 0:
         raise ValueError(
             f"max_bootstrapped and max_labeled must be >= 0, got {max_bootstrapped}, {max_labeled}"
@@ -114,7 +115,7 @@ def build_demo_sets(
     sets: DemoSets = {}
     for name, predictor in program.named_predictors():
         slots: list[list[Demo]] = [
-            [],
+            [dict(d) for d in predictor.demos],  # the program as given
             labeled_demos(predictor, trainset, max_labeled, _rng(seed, name, 1)),
         ]
         for slot in range(2, num_sets):

@@ -54,6 +54,20 @@ def test_slots_zero_shot_labeled_then_first_successes_in_order():
             assert demo["answer"] == "a" + demo["question"][1:]  # only correct demos
 
 
+def test_slot_zero_is_the_programs_own_demos_so_candidate_zero_is_the_program_as_given():
+    """A program written with demos (banking77_shortlist's) competes as written: slot 0 is not
+    zero-shot, and the teacher's labeled demos do not leak into it."""
+    program = Echo()
+    own = {"question": "q0", "answer": "a0"}
+    program.qa.demos.append(own)
+    sets, _ = build_demo_sets(
+        program, TRAIN, metric, lm=teacher_lm(), num_sets=4, max_bootstrapped=2, max_labeled=2
+    )
+    assert sets["qa"][0] == [own] and sets["qa"][0][0] is not own
+    assert program.qa.demos == [own]  # the teacher's demos did not stay in the program
+    assert all(own not in slot for slot in sets["qa"][1:])
+
+
 def test_teacher_leaves_the_current_example_out_of_its_demos():
     lm = teacher_lm()
     build(lm=lm, pool=5)
