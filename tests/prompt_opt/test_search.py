@@ -208,3 +208,26 @@ def test_parallel_tpe_still_beats_random_search():
         tpe_hits += result.config == BEST
         random_hits += random_search(seed, result.runs) == BEST
     assert tpe_hits > random_hits, (tpe_hits, random_hits)
+
+
+class WrittenWithDemos(Module):
+    """Right only while its predictor holds the demo it was written with."""
+
+    def __init__(self):
+        self.p = Predict("x -> y", instructions="p0")
+        self.p.demos.append({"x": "shown", "y": "written"})
+
+    def forward(self, x):
+        return Prediction(y=float(any(d.get("y") == "written" for d in self.p.demos)))
+
+
+def test_the_program_as_given_competes_with_its_own_demos():
+    """Trial 0 is the program as written, demos included: a search whose other candidates all
+    lose the written demo returns it unchanged (its demos were once replaced by zero-shot)."""
+    train = [Example(x=f"t{i}", y=1.0).with_inputs("x") for i in range(12)]
+    config = PromptOptConfig(auto=None, num_candidates=3, minibatch_size=10, bootstrap_pool=8)
+    optimizer = MIPROv2(metric, config, prompt_lm=prompt_model())
+    best = optimizer.compile(WrittenWithDemos(), train, VALSET, out=io.StringIO())
+    first = optimizer.result.trial_log[0]
+    assert (first["trial"], first["kind"], first["score"]) == (0, "full", 1.0)
+    assert optimizer.result.score == 1.0 and {"x": "shown", "y": "written"} in best.p.demos
