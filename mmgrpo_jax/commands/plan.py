@@ -46,6 +46,20 @@ def _cpu_only() -> bool:
     )
 
 
+def _refuse_ignored_overrides(tree: object, overrides: tuple[str, ...]) -> None:
+    """A config with an `mmgrpo` section is planned from that section alone: an override outside
+    it (`sampler.max_prompt_tokens=...` for `mmgrpo.sampler...`) would change nothing."""
+    if not isinstance(tree, dict) or "mmgrpo" not in tree:
+        return
+    for override in overrides:
+        key = override.split("=", 1)[0].strip()
+        if not key.startswith("mmgrpo."):
+            raise UserError(
+                f"override {key!r}: plan reads only the config's mmgrpo section, so it would "
+                f"change nothing; write mmgrpo.{key}"
+            )
+
+
 def run(request: PlanRequest, out: TextIO) -> int:
     if request.device_memory_gb is not None and not request.device_memory_gb > 0:
         raise UserError(f"--device-memory-gb must be > 0, got {request.device_memory_gb}")
@@ -58,6 +72,7 @@ def run(request: PlanRequest, out: TextIO) -> int:
 
     try:
         tree = config_tree(request.config, request.overrides)
+        _refuse_ignored_overrides(tree, request.overrides)
         section = dict(tree.get("mmgrpo", tree) if isinstance(tree, dict) else {})
         model_path = section.pop("model_path", None)  # may not be on this machine: no check
         config = build_config(MMGRPOConfig, section, "mmgrpo.")
