@@ -46,17 +46,20 @@ def _cpu_only() -> bool:
     )
 
 
-def _refuse_ignored_overrides(tree: object, overrides: tuple[str, ...]) -> None:
-    """A config with an `mmgrpo` section is planned from that section alone: an override outside
-    it (`sampler.max_prompt_tokens=...` for `mmgrpo.sampler...`) would change nothing."""
+def _refuse_ignored_keys(tree: object) -> None:
+    """A config with an `mmgrpo` section is planned from that section alone: an MMGRPOConfig key
+    beside it (an override `sampler.max_prompt_tokens=...` on a train config, or a bare config's
+    own keys once an `mmgrpo.` override made the section) would change nothing."""
+    from mmgrpo_jax.trainer.config import MMGRPOConfig
+
     if not isinstance(tree, dict) or "mmgrpo" not in tree:
         return
-    for override in overrides:
-        key = override.split("=", 1)[0].strip()
-        if not key.startswith("mmgrpo."):
+    fields = {f.name for f in dataclasses.fields(MMGRPOConfig)}
+    for key in tree:
+        if key in fields:
             raise UserError(
-                f"override {key!r}: plan reads only the config's mmgrpo section, so it would "
-                f"change nothing; write mmgrpo.{key}"
+                f"{key!r} sits outside the mmgrpo section that plan reads, so it would change "
+                f"nothing; write it as mmgrpo.{key}"
             )
 
 
@@ -72,7 +75,7 @@ def run(request: PlanRequest, out: TextIO) -> int:
 
     try:
         tree = config_tree(request.config, request.overrides)
-        _refuse_ignored_overrides(tree, request.overrides)
+        _refuse_ignored_keys(tree)
         section = dict(tree.get("mmgrpo", tree) if isinstance(tree, dict) else {})
         model_path = section.pop("model_path", None)  # may not be on this machine: no check
         config = build_config(MMGRPOConfig, section, "mmgrpo.")

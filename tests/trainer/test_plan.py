@@ -113,17 +113,23 @@ def test_plan_command_reads_a_train_config_without_its_checkpoint(tmp_path, caps
     assert "'gpt5' is not a preset" in capsys.readouterr().err
 
 
-def test_plan_refuses_an_override_outside_the_section_it_reads(tmp_path, capsys):
-    """`sampler.max_prompt_tokens=` on a better-together config once planned the file's own
-    cap, silently; the override must name the mmgrpo section."""
-    path = tmp_path / "experiment.yaml"
-    path.write_text("task: {name: hover}\nmmgrpo: {model_path: /not/here}\n")
-    assert cli.main(["plan", "--config", str(path), "sampler.max_prompt_tokens=512"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == [
-        "mmgrpo plan: override 'sampler.max_prompt_tokens': plan reads only the config's mmgrpo "
-        "section, so it would change nothing; write mmgrpo.sampler.max_prompt_tokens"
-    ]
+def test_plan_refuses_a_key_outside_the_section_it_reads(tmp_path, capsys):
+    """`sampler.max_prompt_tokens=` on a train config once planned the file's own cap,
+    silently; so did a bare config's keys once an `mmgrpo.` override made the section."""
+    train = tmp_path / "experiment.yaml"
+    train.write_text("task: {name: hover}\nmmgrpo: {model_path: /not/here}\n")
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("sampler: {max_prompt_tokens: 48}\n")
+    for argv in (
+        ["--config", str(train), "sampler.max_prompt_tokens=512"],
+        ["--config", str(bare), "mmgrpo.model_path=/not/here"],
+    ):
+        assert cli.main(["plan", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            "mmgrpo plan: 'sampler' sits outside the mmgrpo section that plan reads, so it would "
+            "change nothing; write it as mmgrpo.sampler"
+        ]
 
 
 @pytest.mark.parametrize(
