@@ -30,7 +30,12 @@ from mmgrpo_jax.engines.lm import EngineLM, module_adapters
 from mmgrpo_jax.errors import UserError, check_field_types
 from mmgrpo_jax.program.example import Example
 from mmgrpo_jax.program.module import Module
-from mmgrpo_jax.prompt_opt.better_together import BetterTogether, parse_strategy
+from mmgrpo_jax.prompt_opt.better_together import (
+    BetterTogether,
+    LoadedPrompts,
+    Optimizer,
+    parse_strategy,
+)
 from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
 from mmgrpo_jax.rl.rollout import score_examples, summarize
 from mmgrpo_jax.rl.types import Trajectory
@@ -76,6 +81,14 @@ class ExperimentConfig:
     strategy: str = setting(
         "p -> w", 'better-together\'s stages; "none": the program as written, scored'
     )
+    prompt_stage: str | None = setting(
+        None,
+        (
+            "better-together's first stage, p, read from a finished MIPROv2 run of the same "
+            "config and seed (its prompts/prompt_state.json) instead of searched again: "
+            "loaded, then scored like any stage"
+        ),
+    )
     train_limit: int | None = setting(None, "first N training examples (smoke runs)")
     val_limit: int | None = None
     test_limit: int | None = setting(
@@ -93,6 +106,16 @@ class ExperimentConfig:
         if self.prompt_state is not None and not Path(self.prompt_state).is_file():
             raise ValueError(f"ExperimentConfig.prompt_state={self.prompt_state!r} is not a file")
         stages = parse_strategy(self.strategy)
+        if self.prompt_stage is not None:
+            if stages[:1] != ["p"] or stages.count("p") != 1:
+                raise ValueError(
+                    f"ExperimentConfig.prompt_stage={self.prompt_stage!r} stands for a strategy's "
+                    f"one prompt stage, first; strategy={self.strategy!r} has another shape"
+                )
+            if not Path(self.prompt_stage).is_file():
+                raise ValueError(
+                    f"ExperimentConfig.prompt_stage={self.prompt_stage!r} is not a file"
+                )
         if stages.count("w") > 1:
             raise ValueError(
                 f"ExperimentConfig.strategy={self.strategy!r}: one weight stage at most (each "
@@ -166,9 +189,12 @@ class Policy:
 
     def __init__(self, cfg: ExperimentConfig) -> None:
         self.cfg = cfg
-        if cfg.prompt_state is not None:  # another program's, or not JSON: before the model
-            program, _ = TASKS.lookup(cfg.task.name, "TaskConfig.name").build(cfg.task, _no_model)
-            load_prompt_state(program, cfg.prompt_state)
+        for field in ("prompt_state", "prompt_stage"):  # another program's, or not JSON:
+            if getattr(cfg, field) is not None:  # said before the model loads
+                program, _ = TASKS.lookup(cfg.task.name, "TaskConfig.name").build(
+                    cfg.task, _no_model
+                )
+                load_prompt_state(program, getattr(cfg, field), field)
         self.model, self.tokenizer, self.stop = load_policy(cfg.mmgrpo)
         self.frozen = FrozenBaseLMs(self.model, self.tokenizer, self.stop)
         sampler = cfg.mmgrpo.sampler
@@ -263,14 +289,14 @@ def _no_model(max_tokens: int, temperature: float = 0.0) -> _NoModel:
     return _NoModel()
 
 
-def load_prompt_state(program: Module, path: str) -> None:
-    """`prompt_state=` into the program; a file that is not JSON, or another program's, is
-    one line naming the file."""
+def load_prompt_state(program: Module, path: str, field: str = "prompt_state") -> None:
+    """A prompt state file (`prompt_state=`, `prompt_stage=`) into the program; a file that is
+    not JSON, or another program's, is one line naming the file."""
     try:
         program.load(path)
     except (OSError, ValueError) as err:  # json's errors are ValueErrors
         raise UserError(
-            f"ExperimentConfig.prompt_state={path!r} cannot be loaded into the program: {err}"
+            f"ExperimentConfig.{field}={path!r} cannot be loaded into the program: {err}"
         ) from None
 
 
@@ -320,9 +346,13 @@ def run_better_together(cfg: ExperimentConfig) -> dict[str, Any]:
     policy = Policy(cfg)
     try:
         weights = policy.mmgrpo()
+        if cfg.prompt_stage is None:
+            prompts: Optimizer = policy.mipro(cfg.prompts_dir)
+        else:
+            prompts = LoadedPrompts(json.loads(Path(cfg.prompt_stage).read_text()))
         together = BetterTogether(
             policy.score,
-            policy.mipro(cfg.prompts_dir),
+            prompts,
             weights,
             seed=cfg.mmgrpo.seed,
         )
@@ -345,6 +375,7 @@ def run_better_together(cfg: ExperimentConfig) -> dict[str, Any]:
     ]
     result = {
         "strategy": cfg.strategy,
+        "prompt_stage": cfg.prompt_stage,  # where the p stage was read from, if not searched
         "stages": stages,
         "best": best.name,
         "best_index": best_index,

@@ -5,6 +5,10 @@ trainset is held out. The program before any stage and after each stage is score
 the best is returned, the earliest on ties, with its weights restored (a weight optimizer that
 can snapshot and restore them makes that possible). A weight stage trains on the exact prompts
 its rollouts used (demos included) and leaves them untouched.
+
+A prompt stage already searched elsewhere (a finished MIPROv2 run of the same program, seed and
+trainset order) can be loaded instead of searched again (`LoadedPrompts`): the stage is then
+scored as any other, and the stages after it see the trainset order they would have seen.
 """
 
 from __future__ import annotations
@@ -31,6 +35,19 @@ class WeightOptimizer(Optimizer, Protocol):
 
 
 Evaluate = Callable[[Module, Sequence[Example]], float]
+
+
+class LoadedPrompts:
+    """A prompt stage's result read from a finished search, not searched again: a sweep's
+    BetterTogether cell and its MIPROv2 cell of the same seed run one search between them."""
+
+    def __init__(self, prompt_state: dict[str, Any]) -> None:
+        self.prompt_state = prompt_state
+
+    def compile(self, program: Module, trainset: list[Example], valset: list[Example]) -> Module:
+        program = program.copy()
+        program.load_state(self.prompt_state)
+        return program
 
 
 def parse_strategy(strategy: str) -> list[str]:

@@ -451,8 +451,11 @@ def test_better_together_stopped_or_killed_in_its_weight_stage_resumes_to_the_sa
     ],
     ids=["another_programs", "not_json"],
 )
+@pytest.mark.parametrize(
+    ("command", "field"), [("train", "prompt_state"), ("better-together", "prompt_stage")]
+)
 def test_a_prompt_state_that_cannot_load_is_one_line_before_the_model(
-    tmp_path, capsys, no_model, text, message
+    tmp_path, capsys, no_model, text, message, command, field
 ):
     """Both were tracebacks (exit 1) after the model had loaded."""
     from models.tiny_checkpoint import write_tiny_checkpoint as write_random
@@ -460,9 +463,35 @@ def test_a_prompt_state_that_cannot_load_is_one_line_before_the_model(
     state = tmp_path / "prompt_state.json"
     state.write_text(text)
     checkpoint = write_random(tmp_path / "tiny")
-    argv = ["train", "task.name=capitals", f"mmgrpo.model_path={checkpoint}"]
-    argv += [f"mmgrpo.run_dir={tmp_path / 'run'}", f"prompt_state={state}"]
+    argv = [command, "task.name=capitals", f"mmgrpo.model_path={checkpoint}"]
+    argv += [f"mmgrpo.run_dir={tmp_path / 'run'}", f"{field}={state}"]
     assert cli.main(argv) == 2
     err = one_line_error(capsys)
-    assert f"ExperimentConfig.prompt_state={str(state)!r} cannot be loaded into the program" in err
+    assert f"ExperimentConfig.{field}={str(state)!r} cannot be loaded into the program" in err
     assert message in err
+
+
+@pytest.mark.parametrize(
+    ("strategy", "message"),
+    [
+        ("w", "stands for a strategy's one prompt stage, first; strategy='w'"),
+        ("w -> p", "stands for a strategy's one prompt stage, first; strategy='w -> p'"),
+        ("p -> w -> p", "one prompt stage, first; strategy='p -> w -> p'"),
+        ("p -> w", "is not a file"),
+    ],
+)
+def test_a_loaded_prompt_stage_must_be_the_strategys_first_and_a_file(
+    tmp_path, capsys, no_model, strategy, message
+):
+    """The search it stands for ran on the base weights, before any other stage."""
+    from models.tiny_checkpoint import write_tiny_checkpoint as write_random
+
+    state = tmp_path / ("prompt_state.json" if strategy != "p -> w" else "absent.json")
+    if strategy != "p -> w":
+        state.write_text("{}")
+    checkpoint = write_random(tmp_path / "tiny")
+    argv = ["better-together", "task.name=capitals", f"mmgrpo.model_path={checkpoint}"]
+    argv += [f"strategy={strategy}", f"prompt_stage={state}"]
+    assert cli.main(argv) == 2
+    err = one_line_error(capsys)
+    assert f"ExperimentConfig.prompt_stage={str(state)!r}" in err and message in err

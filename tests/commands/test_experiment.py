@@ -290,3 +290,25 @@ def test_better_together_cli_records_every_stage_and_saves_the_best(checkpoint, 
         == 2
     )
     assert "one weight stage at most" in capsys.readouterr().err
+
+
+def test_better_together_loads_a_finished_search_as_its_prompt_stage(checkpoint, tmp_path, capsys):
+    """What a sweep's BetterTogether cell does with its MIPROv2 cell's run: no search, the
+    searched prompts as the p stage, scored as the search's own run scored them."""
+    searched = ["better-together", "--config", experiment_yaml(tmp_path, checkpoint, "p")]
+    assert cli.main([*searched, f"mmgrpo.run_dir={tmp_path / 'search'}"]) == 0
+    search = printed_json(capsys.readouterr().out)
+    prompts = tmp_path / "search" / "prompts" / "prompt_state.json"
+    argv = ["better-together", "--config", experiment_yaml(tmp_path, checkpoint)]
+    assert cli.main([*argv, f"prompt_stage={prompts}"]) == 0
+    printed = capsys.readouterr().out
+    assert "MIPROv2 budget" not in printed  # nothing searched
+    result = printed_json(printed)
+    assert [s["stage"] for s in result["stages"]] == ["start", "p", "w"]
+    assert result["stages"][:2] == search["stages"]  # valset and test scores of start and p
+    assert result["prompt_stage"] == str(prompts) and search["prompt_stage"] is None
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["prompt_stage"] == str(prompts)
+    if result["best"] != "start":  # the loaded prompts are what the run trained and saved
+        best = json.loads((tmp_path / "run" / "best" / "program.json").read_text())
+        assert best == json.loads(prompts.read_text())

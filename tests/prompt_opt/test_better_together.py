@@ -5,7 +5,7 @@ from mmgrpo_jax.engines.jax_engine import JaxEngine
 from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.program import Example, Module, Predict
 from mmgrpo_jax.program.adapter import format_outputs
-from mmgrpo_jax.prompt_opt.better_together import BetterTogether, parse_strategy
+from mmgrpo_jax.prompt_opt.better_together import BetterTogether, LoadedPrompts, parse_strategy
 from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
 from mmgrpo_jax.prompt_opt.proposer import PROPOSE, SUMMARIZE
 from mmgrpo_jax.testing import ScriptedLM, word_policy
@@ -68,6 +68,38 @@ def test_best_stage_wins_earliest_on_ties_and_its_weights_come_back():
     assert len(weights.seen[0]) == 8 and weights.seen[0] != weights.seen[1]  # 2 held out
     with pytest.raises(ValueError, match="strategy"):
         parse_strategy("p -> x")
+
+
+def test_a_loaded_prompt_stage_gives_the_stages_of_the_search_it_was_read_from():
+    """A sweep's BetterTogether cell reads its p stage from its MIPROv2 cell: every stage, and
+    the trainset order the weight stage sees, must be what searching again would give."""
+    scores = {"start": 0.1, "better": 0.5}
+
+    def run(prompts):
+        weights = FakeWeights()
+        start = Echo()
+        start.qa.load_predictor_state({"instructions": "start"})
+        together = BetterTogether(
+            lambda program, valset: (
+                scores[program.qa.signature.instructions.split()[0]] + weights.value / 10
+            ),
+            prompts,
+            weights,
+            seed=3,
+        )
+        train = [Example(q=f"q{i}").with_inputs("q") for i in range(10)]
+        best = together.compile(start, train, train[:2], strategy="p -> w")
+        assert start.qa.signature.instructions == "start"  # the start program is not changed
+        return together, best, weights
+
+    searched, searched_best, searched_weights = run(FakePrompts("better prompt"))
+    state = searched.stages[1].prompt_state  # what the search's own run saves
+    loaded, loaded_best, loaded_weights = run(LoadedPrompts(state))
+    assert [(s.name, s.score, s.prompt_state, s.weights) for s in loaded.stages] == [
+        (s.name, s.score, s.prompt_state, s.weights) for s in searched.stages
+    ]
+    assert loaded_weights.seen == searched_weights.seen  # the same order after the p stage
+    assert loaded_best.dump_state() == searched_best.dump_state() == state
 
 
 def test_p_then_w_on_the_two_door_program_keeps_the_prompts_byte_identical(tmp_path):
