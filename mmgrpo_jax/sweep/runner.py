@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from mmgrpo_jax.commands import COMMANDS, SWEEP_COMMANDS, command_config
 from mmgrpo_jax.errors import UserError
+from mmgrpo_jax.prompt_opt.better_together import parse_strategy
 from mmgrpo_jax.sweep.child import PARENT_ENV
 from mmgrpo_jax.sweep.report import (
     CellRow,
@@ -93,6 +94,48 @@ def check_runs(config: SweepConfig) -> None:
             command_config(config.command, config.config, config.run_overrides(cell, 0))
         except (ValueError, FileNotFoundError) as err:
             raise UserError(f"sweep cell {cell.name}: {err}") from None
+    for cell in config.cells:
+        if (source := config.prompt_source(cell)) is not None:
+            _check_prompt_source(config, cell, source)
+
+
+# what may differ between a BetterTogether run and the MIPROv2 run whose prompts it loads
+_NOT_READ_BY_THE_SEARCH = {"strategy", "prompt_stage", "mmgrpo.run_dir", "prompt_opt.out_dir"}
+
+
+def _check_prompt_source(config: SweepConfig, cell: Cell, source: Cell) -> None:
+    """The loaded prompts must be the ones this run's own p stage would have searched for:
+    a lone p stage, on the same config."""
+    where = f"sweep prompt_stage_from: {cell.name} from {source.name}"
+    run, searched = (
+        command_config(config.command, config.config, config.run_overrides(c, 0))
+        for c in (cell, source)
+    )
+    if parse_strategy(searched.strategy) != ["p"]:
+        raise UserError(f"{where}: {source.name} runs strategy={searched.strategy!r}, not 'p'")
+    stages = parse_strategy(run.strategy)
+    if stages[:1] != ["p"] or stages.count("p") != 1:
+        raise UserError(
+            f"{where}: {cell.name} runs strategy={run.strategy!r}; a loaded stage stands for "
+            "a strategy's one prompt stage, first"
+        )
+    ours, theirs = (flatten(json.loads(json.dumps(dataclasses.asdict(c)))) for c in (run, searched))
+    differ = sorted(
+        k
+        for k in set(ours) | set(theirs)
+        if k not in _NOT_READ_BY_THE_SEARCH and ours.get(k) != theirs.get(k)
+    )
+    if differ:
+        raise UserError(
+            f"{where}: the two cells differ in {describe_changes(theirs, ours, differ)}; the "
+            "search would not be the same (even a key only the weight stage reads is refused)"
+        )
+
+
+def _prompt_file(config: SweepConfig, cell: Cell, seed: int) -> Path:
+    """Where `cell`'s MIPROv2 run of `seed` saves the prompts it chose."""
+    run = command_config(config.command, config.config, config.run_overrides(cell, seed))
+    return run.prompts_dir / "prompt_state.json"
 
 
 def run_sweep(
@@ -295,8 +338,9 @@ def _run_all(
     )
     try:
         while todo or running:
-            while todo and len(running) < config.jobs:
-                running.append(_launch(config, *todo.pop(0)))
+            while len(running) < config.jobs and (ready := _ready(config, todo, running)):
+                todo.remove(ready)
+                running.append(_launch(config, *ready))
             time.sleep(POLL_S)
             for child in [c for c in running if c.process.poll() is not None]:
                 running.remove(child)
@@ -328,6 +372,39 @@ def _run_all(
     return failures
 
 
+def _ready(
+    config: SweepConfig, todo: list[tuple[Cell, int]], running: list[_Child]
+) -> tuple[Cell, int] | None:
+    """The first run to launch: in the plan's order, but a run that loads another's prompts
+    waits while that run is still to run or running."""
+    pending = {*todo, *((c.cell, c.seed) for c in running)}
+    for cell, seed in todo:
+        if (config.prompt_source(cell), seed) not in pending:
+            return cell, seed
+    return None
+
+
+def _prompt_stage_overrides(config: SweepConfig, cell: Cell, seed: int) -> list[str]:
+    """`prompt_stage=` for a run whose p stage is another run's search, once that run has
+    saved its prompts; otherwise the run searches itself, and the log says why."""
+    source = config.prompt_source(cell)
+    if source is None:
+        return []
+    path = _prompt_file(config, source, seed)
+    if path.is_file():
+        return [f"prompt_stage={path}"]
+    logger.warning(
+        "%s seed %d searches its own prompt stage: %s seed %d left no %s (it failed, or its "
+        "record was committed without its prompts)",
+        cell.name,
+        seed,
+        source.name,
+        seed,
+        path,
+    )
+    return []
+
+
 def _launch(config: SweepConfig, cell: Cell, seed: int) -> _Child:
     run_dir = config.run_dir(cell, seed)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -336,7 +413,8 @@ def _launch(config: SweepConfig, cell: Cell, seed: int) -> _Child:
     identity = run_dir / IDENTITY
     if not identity.is_file():
         write_atomic(identity, identity_json(config.identity(cell, seed)) + "\n")
-    command = command_line(config, cell, seed)
+    # not in the identity: a loaded stage is the same run as a searched one (it stands for it)
+    command = command_line(config, cell, seed) + _prompt_stage_overrides(config, cell, seed)
     log = (run_dir / LOG).open("a")
     log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
     log.flush()

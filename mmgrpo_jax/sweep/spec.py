@@ -23,6 +23,16 @@ folder, never run by this one::
       cell: {loss: grpo, grouping: module}
       label: shared   # its value on this sweep's first axis
 
+A better-together sweep whose grid holds both a MIPROv2 cell and a BetterTogether cell runs one
+prompt search per seed, not two (`prompt_stage_from`, first-axis values): the BetterTogether run
+waits for its MIPROv2 run of the same seed and loads that run's prompts as its p stage::
+
+    grid:
+      method:
+        prompt_opt: {strategy: p}
+        better_together: {strategy: "p -> w"}
+    prompt_stage_from: {better_together: prompt_opt}
+
 On the command line the same grid is ``--grid "grouping=module,trajectory loss=grpo,dapo"``.
 """
 
@@ -137,6 +147,13 @@ class SweepConfig:
         (), "the cell others are compared to; default: first"
     )
     baseline_from: BaselineFrom | None = setting(None, "or another sweep's cell (module doc)")
+    prompt_stage_from: tuple[tuple[str, str], ...] = setting(
+        (),
+        (
+            "better-together: {value: source} of the first axis; that cell's p stage is read "
+            "from the source cell's finished MIPROv2 run of the same seed (module doc)"
+        ),
+    )
     score: str = setting("eval_reward_after", "summary.json's key for a run's final score")
     curve: str = setting(
         "eval_reward", "metrics.jsonl's key for learning curves and steps-to-threshold"
@@ -205,6 +222,40 @@ class SweepConfig:
                 )
         if self.baseline_from is not None:
             self._check_baseline_from(self.baseline_from)
+        if self.prompt_stage_from:
+            self._check_prompt_stage_from()
+
+    def _check_prompt_stage_from(self) -> None:
+        where = f"sweep prompt_stage_from {dict(self.prompt_stage_from)}"
+        if self.command != "better-together":
+            raise UserError(f"{where}: only better-together runs have a prompt stage to load")
+        if not self.grid:
+            raise UserError(f"{where} needs a grid: it names values of the first axis")
+        first = self.grid[0]
+        labels = [v.label for v in first.values]
+        targets = [t for t, _ in self.prompt_stage_from]
+        for target, source in self.prompt_stage_from:
+            for label in (target, source):
+                if label not in labels:
+                    raise UserError(
+                        f"{where}: {label!r} is not a value of the first axis {first.name!r} "
+                        f"(its values: {labels})"
+                    )
+            if source in targets or source == target:
+                raise UserError(
+                    f"{where}: {source!r} loads its own prompt stage; name the cell that runs "
+                    "the search"
+                )
+
+    def prompt_source(self, cell: Cell) -> Cell | None:
+        """The cell whose MIPROv2 run of the same seed gives `cell` its p stage, if any: the
+        same labels, the first axis's replaced by `prompt_stage_from`'s."""
+        sources = dict(self.prompt_stage_from)
+        (axis, label), *rest = cell.labels or (("", ""),)
+        if label not in sources:
+            return None
+        labels = ((axis, sources[label]), *rest)
+        return next(c for c in self.cells if c.labels == labels)
 
     def _check_baseline_from(self, source: BaselineFrom) -> None:
         if self.baseline:
@@ -431,6 +482,10 @@ def sweep_config(values: Mapping[str, Any], where: str = "sweep") -> SweepConfig
         kwargs["baseline"] = parse_labels(kwargs["baseline"] or {})
     if kwargs.get("baseline_from") is not None:
         kwargs["baseline_from"] = parse_baseline_from(kwargs["baseline_from"], where)
+    if "prompt_stage_from" in kwargs:
+        kwargs["prompt_stage_from"] = parse_labels(
+            kwargs["prompt_stage_from"] or {}, "prompt_stage_from"
+        )
     if "overrides" in kwargs:
         overrides = kwargs["overrides"] or []
         if isinstance(overrides, str) or not isinstance(overrides, list):

@@ -4,7 +4,8 @@ It takes the demo's override keys, logs a deterministic curve of (seed, lr) to m
 "checkpoint" after every step, and resumes from it the way the trainer does (rows after the
 checkpoint dropped), so an interrupted run ends with the files of an uninterrupted one.
 `fail=<code>` exits with that code instead (after printing a last line); FAKE_STEP_SECONDS sets
-the time a step takes.
+the time a step takes. Given better-together's `strategy`, a lone p stage saves a prompt state
+and a `prompt_stage=` file is read into the summary.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def main(argv: list[str]) -> int:
     if "fail" in args:
         print(f"fake run: failing on purpose with {args['fail']}", file=sys.stderr)
         return int(args["fail"])
-    run_dir, seed = Path(args["run_dir"]), int(args["seed"])
+    run_dir = Path(args.get("run_dir") or args["mmgrpo.run_dir"])  # demo's keys or the trainer's
+    seed = int(args.get("seed") or args["mmgrpo.seed"])
     lr, steps = float(args.get("lr", "0.002")), int(args.get("num_steps", "6"))
     delay = float(os.environ.get("FAKE_STEP_SECONDS", "0.1"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -58,6 +60,15 @@ def main(argv: list[str]) -> int:
             "eval_reward_after": curve_value(seed, lr, steps),
             "wall_seconds": time.monotonic() - start,
         }
+        if "strategy" in args:  # better-together's: a p stage saves prompts, a loaded one is read
+            summary["strategy"] = args["strategy"]
+            summary["prompt_stage"] = args.get("prompt_stage")
+            if "prompt_stage" in args:
+                summary["loaded"] = json.loads(Path(args["prompt_stage"]).read_text())
+            if args["strategy"] == "p":
+                (run_dir / "prompts").mkdir(exist_ok=True)
+                state = {"searched": {"seed": seed, "at": time.time()}}
+                (run_dir / "prompts" / "prompt_state.json").write_text(json.dumps(state))
         (run_dir / "summary.json").write_text(json.dumps(summary))
     return 0
 

@@ -586,3 +586,96 @@ def test_a_baseline_from_sweep_killed_mid_run_ends_with_the_table_of_an_uninterr
     ]
     assert not (tmp_path / "killed" / "runs" / "lr-shared").exists()
     assert (checkpoint.parent / runner.LOG).read_text().count("=== ") == 2  # resumed
+
+
+def _search_once(out: Path, **values):
+    """Table 1's prompt cells: `together` (listed first) loads `prompt_opt`'s search."""
+    from models.tiny_checkpoint import write_tiny_checkpoint
+
+    tiny = out.parent / "tiny"
+    if not tiny.is_dir():
+        write_tiny_checkpoint(tiny)
+    grid = {
+        "method": {
+            "together": {"strategy": "p -> w"},
+            "prompt_opt": {"strategy": "p"},
+            "mmgrpo": {"strategy": "w"},
+        }
+    }
+    settings = {
+        "command": "better-together",
+        "out": str(out),
+        "grid": grid,
+        "seeds": "0-1",
+        "jobs": 2,
+        "overrides": ["task.name=capitals", f"mmgrpo.model_path={tiny}"],
+        "prompt_stage_from": {"together": "prompt_opt"},
+    }
+    return load_sweep(None, **{**settings, **values})
+
+
+def test_a_better_together_cell_waits_for_its_search_and_loads_it(
+    tmp_path, fake_runs, monkeypatch, caplog
+):
+    def second_search_fails(config, cell, seed):
+        line = fake_command_line(config, cell, seed)
+        return [*line, "fail=3"] if (cell.name, seed) == ("method=prompt_opt", 1) else line
+
+    monkeypatch.setattr(runner, "command_line", second_search_fails)
+    config = _search_once(tmp_path / "sweep")
+    together, searched = config.cells[0], config.cells[1]
+    assert config.prompt_source(together) == searched and config.prompt_source(searched) is None
+    with caplog.at_level("WARNING"):
+        report = run_sweep(config, progress=False)
+    assert [(f.cell, f.seed) for f in report.failures] == [(searched, 1)]
+    summary = json.loads((config.run_dir(together, 0) / "summary.json").read_text())
+    prompts = config.run_dir(searched, 0) / "prompts" / "prompt_state.json"
+    # jobs=2 and listed first, yet it waited: the search had saved its prompts when it started
+    assert summary["prompt_stage"] == str(prompts)
+    assert summary["loaded"] == json.loads(prompts.read_text())
+    # the search of seed 1 failed: that seed's run searches itself, and the log says so
+    again = json.loads((config.run_dir(together, 1) / "summary.json").read_text())
+    assert again["prompt_stage"] is None and "loaded" not in again
+    assert "method=together seed 1 searches its own prompt stage" in caplog.text
+    # the loaded file is not part of what makes the run: a restart finds it the same run
+    identity = json.loads((config.run_dir(together, 0) / runner.IDENTITY).read_text())
+    assert identity["config"]["prompt_stage"] is None
+    assert run_sweep(config, progress=False).skipped == 5
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"command": "demo", "grid": GRID, "overrides": []}, "only better-together runs"),
+        ({"prompt_stage_from": {"together": "nowhere"}}, "'nowhere' is not a value of"),
+        ({"prompt_stage_from": {"together": "together"}}, "loads its own prompt stage"),
+        (
+            {"prompt_stage_from": {"together": "prompt_opt", "prompt_opt": "mmgrpo"}},
+            "'prompt_opt' loads its own prompt stage",
+        ),
+    ],
+)
+def test_prompt_stage_from_names_values_of_the_first_axis(tmp_path, values, message):
+    with pytest.raises(UserError, match=message):
+        _search_once(tmp_path / "sweep", **values)
+
+
+@pytest.mark.parametrize(
+    ("together", "message"),
+    [
+        ({"strategy": "w"}, "runs strategy='w'; a loaded stage stands for"),
+        (
+            {"strategy": "p -> w", "mmgrpo.num_steps": 3},
+            r"differ in mmgrpo.num_steps: 100 -> 3; the search would not be the same",
+        ),
+    ],
+)
+def test_a_loaded_search_must_be_the_one_the_cell_would_run(tmp_path, fake_runs, together, message):
+    grid = {"method": {"together": together, "prompt_opt": {"strategy": "p"}}}
+    config = _search_once(tmp_path / "sweep", grid=grid)
+    with pytest.raises(UserError, match=message):
+        run_sweep(config, progress=False)
+    assert not (tmp_path / "sweep" / "runs").exists()  # refused before any run
+    wrong = {"method": {"together": {"strategy": "p -> w"}, "prompt_opt": {"strategy": "w"}}}
+    with pytest.raises(UserError, match="method=prompt_opt runs strategy='w', not 'p'"):
+        run_sweep(_search_once(tmp_path / "other", grid=wrong), progress=False)
