@@ -37,9 +37,20 @@ def model():
     return tiny_decoder(300, hidden_size=64, num_layers=2)
 
 
-def engine(model, **kwargs) -> ContinuousEngine:
-    settings = {"stop_token_ids": [STOP], "slots": 3, "decode_steps": 3, "max_wait_s": 0.01}
-    return ContinuousEngine(model, **{**settings, **kwargs})
+@pytest.fixture
+def engine():
+    """`engine(model, **settings)`: a ContinuousEngine on this file's settings, closed after the
+    test, passed or failed (an engine left open keeps its dispatch thread in the worker)."""
+    made: list[ContinuousEngine] = []
+
+    def make(model, **kwargs) -> ContinuousEngine:
+        settings = {"stop_token_ids": [STOP], "slots": 3, "decode_steps": 3, "max_wait_s": 0.01}
+        made.append(ContinuousEngine(model, **{**settings, **kwargs}))
+        return made[-1]
+
+    yield make
+    for eng in made:
+        eng.close()  # a second close is a no-op
 
 
 def requests(prompts, settings, step=0):
@@ -63,7 +74,7 @@ def assert_same(got, want, atol=1e-5):
         np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=atol)
 
 
-def test_concurrent_requests_sample_what_each_alone_samples(model):
+def test_concurrent_requests_sample_what_each_alone_samples(model, engine):
     """Ragged prompts, mixed settings and lengths, more requests than slots: rows join and
     leave the pool between decode calls, and none of it changes a sample."""
     reqs = requests(RAGGED, MIXED)
@@ -102,15 +113,17 @@ def test_greedy_matches_hf_generate(checkpoints):
     model, hf = from_pretrained(directory, dtype=jnp.float32), load_hf(directory)
     prompts = [tuple(np.random.default_rng(1).integers(0, VOCAB, n).tolist()) for n in (5, 12, 1)]
     eng = ContinuousEngine(model, stop_token_ids=[], slots=2, decode_steps=4)
-    got = sample_all(eng, requests(prompts, [Sampling(max_new_tokens=10, temperature=0)] * 3))
-    eng.close()
+    try:
+        got = sample_all(eng, requests(prompts, [Sampling(max_new_tokens=10, temperature=0)] * 3))
+    finally:
+        eng.close()
     want_tokens, want_logps = hf_greedy(hf, [list(p) for p in prompts], 10)
     for i, completion in enumerate(got):
         assert completion.token_ids == want_tokens[i].tolist()
         np.testing.assert_allclose(completion.logprobs, want_logps[i], atol=1e-4)
 
 
-def test_a_finished_row_returns_while_longer_ones_decode(model):
+def test_a_finished_row_returns_while_longer_ones_decode(model, engine):
     eng = engine(model, stop_token_ids=[], decode_steps=2)
     long = eng.submit(Request(RAGGED[0], Sampling(max_new_tokens=120, temperature=0)))
     short = eng.submit(Request(RAGGED[1], Sampling(max_new_tokens=3, temperature=0)))
@@ -120,7 +133,7 @@ def test_a_finished_row_returns_while_longer_ones_decode(model):
     eng.close()
 
 
-def test_stop_tokens_end_a_row_and_are_returned(model):
+def test_stop_tokens_end_a_row_and_are_returned(model, engine):
     eng = engine(model, stop_token_ids=[])
     [free] = sample_all(eng, requests([RAGGED[3]], [Sampling(max_new_tokens=20, temperature=0)]))
     eng.close()
@@ -133,7 +146,7 @@ def test_stop_tokens_end_a_row_and_are_returned(model):
     assert stopped.finish_reason == "stop"
 
 
-def test_shared_prefixes_are_prefilled_once_and_sample_as_unshared(model):
+def test_shared_prefixes_are_prefilled_once_and_sample_as_unshared(model, engine):
     """The G rollouts' identical first prompts, and prompts that share a long system prompt:
     copied caches give the samples of prefilling each prompt whole."""
     system = tuple(RNG.integers(4, 300, 70).tolist())
@@ -164,7 +177,7 @@ def test_shared_prefixes_are_prefilled_once_and_sample_as_unshared(model):
     unshared_engine.close()
 
 
-def test_compiles_stay_bounded_over_a_long_run(model):
+def test_compiles_stay_bounded_over_a_long_run(model, engine):
     """Buckets of rows, prompt tokens and cache window: a long run of random calls compiles
     within the buckets it can touch, and replaying a workload compiles nothing new."""
     eng = engine(model, slots=4, decode_steps=4)
@@ -191,7 +204,7 @@ def test_compiles_stay_bounded_over_a_long_run(model):
     eng.close()
 
 
-def test_bad_requests_fail_in_their_caller_only(model):
+def test_bad_requests_fail_in_their_caller_only(model, engine):
     eng = engine(model, max_cache_tokens=3 * 256)
     good = eng.submit(Request(RAGGED[0], Sampling(max_new_tokens=4, temperature=0)))
     bad = [
@@ -218,7 +231,7 @@ def test_bad_requests_fail_in_their_caller_only(model):
     eng.close()
 
 
-def test_close_fails_live_and_queued_requests(model):
+def test_close_fails_live_and_queued_requests(model, engine):
     eng = engine(model, stop_token_ids=[], decode_steps=1, slots=1)
     futures = [
         eng.submit(Request(RAGGED[0], Sampling(max_new_tokens=200, temperature=0))),
@@ -233,7 +246,7 @@ def test_close_fails_live_and_queued_requests(model):
         eng.submit(Request(RAGGED[0], Sampling(max_new_tokens=1)))
 
 
-def test_stats_say_how_full_the_pool_was(model):
+def test_stats_say_how_full_the_pool_was(model, engine):
     eng = engine(model, slots=4, stop_token_ids=[])
     sample_all(eng, requests(RAGGED[:4], [Sampling(max_new_tokens=10, temperature=0)] * 4))
     stats = eng.stats
@@ -244,7 +257,7 @@ def test_stats_say_how_full_the_pool_was(model):
     eng.close()
 
 
-def test_a_held_prefix_survives_the_decode_calls_after_its_row_finished(model):
+def test_a_held_prefix_survives_the_decode_calls_after_its_row_finished(model, engine):
     """Idle rows sit in every in-place decode call: their writes must not touch what they hold."""
     system = tuple(RNG.integers(4, 300, 60).tolist())
     donor = Request(system + RAGGED[0], Sampling(max_new_tokens=2), key_path=(0, 0, 0, 0))
@@ -261,7 +274,7 @@ def test_a_held_prefix_survives_the_decode_calls_after_its_row_finished(model):
     assert_same(results[True], results[False])
 
 
-def test_a_bad_key_path_fails_its_caller_only(model):
+def test_a_bad_key_path_fails_its_caller_only(model, engine):
     eng = engine(model)
     bad = eng.submit(Request(RAGGED[0], Sampling(max_new_tokens=3), key_path=(-1, 0, 0, 0)))
     good = eng.submit(Request(RAGGED[1], Sampling(max_new_tokens=3), key_path=(0, 0, 0, 0)))
@@ -271,7 +284,7 @@ def test_a_bad_key_path_fails_its_caller_only(model):
     eng.close()
 
 
-def test_a_few_live_requests_decode_a_bucket_of_rows_not_the_pool(model):
+def test_a_few_live_requests_decode_a_bucket_of_rows_not_the_pool(model, engine):
     """3 requests in a pool of 16 rows: a decode pass computes the power-of-two bucket of rows
     that holds the live ones (4, or 1-2 while a request still waits to join), gathered from the
     pool and scattered back, and samples what one `generate` call samples."""
@@ -295,7 +308,7 @@ def test_a_few_live_requests_decode_a_bucket_of_rows_not_the_pool(model):
     eng.close()
 
 
-def test_requests_of_different_adapters_share_the_pool_and_sample_as_alone():
+def test_requests_of_different_adapters_share_the_pool_and_sample_as_alone(engine):
     """Per-module adapters: one pool serves rows of both adapters in the same passes; each
     request gets what its adapter's single-adapter model samples alone (greedy: the same ids),
     and what `generate` samples with the same key and adapter (sampled)."""
