@@ -22,7 +22,6 @@ after every stage. The reference set follows the dev split in the same shuffled 
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from programs.banking77 import DEV_SIZE as FULL_DEV_SIZE
 from programs.banking77 import TRAIN_SIZE, load_banking77, training_pool
 from programs.data import Splits
 from programs.retrieval import BM25Retriever, passage, title_of
+from programs.text import phrase
 
 DEV_SIZE, TEST_PER_INTENT, REFERENCE_SIZE, SHORTLIST = 80, 2, 250, 4
 # Worked queries written here (not from the dataset), with choices as retrieval might list them:
@@ -63,24 +63,19 @@ DEMOS = (
 )
 
 
-def words(text: str) -> str:
-    """Lower-case words, separators dropped: 'Card_arrival.', 'card arrival' -> 'card arrival'."""
-    return " ".join(re.findall(r"[a-z0-9]+", text.lower()))
-
-
 def named_choice(reply: str, choices: Sequence[str]) -> str | None:
     """The one choice the reply names, as words ('The intent is: card arrival.' -> card_arrival);
     None when it names none or several. A choice inside a longer one named ('exchange rate' in
     'wrong exchange rate for cash withdrawal') does not count apart from it."""
-    said = f" {words(reply)} "
-    named = [c for c in choices if f" {words(c)} " in said]
-    named = [c for c in named if not any(c != o and words(c) in words(o) for o in named)]
+    said = f" {phrase(reply)} "
+    named = [c for c in choices if f" {phrase(c)} " in said]
+    named = [c for c in named if not any(c != o and phrase(c) in phrase(o) for o in named)]
     return named[0] if len(named) == 1 else None
 
 
 def listed(choices: Sequence[str]) -> str:
     """Choices as the prompt lists them: plain words, which the model writes back."""
-    return "; ".join(words(c) for c in choices)
+    return "; ".join(phrase(c) for c in choices)
 
 
 def load_banking77_shortlist(data_dir: str | Path | None = None, seed: int = 0) -> Splits:
@@ -109,7 +104,7 @@ class Banking77Shortlist(Module):
             raise ValueError(f"reference labels {unknown} are not among the {len(labels)} labels")
         # an intent's name is a passage too, so every intent can be retrieved
         passages = [passage(e.label, e.text) for e in reference]
-        self.retrieve = BM25Retriever.over(passages + [passage(n, words(n)) for n in labels])
+        self.retrieve = BM25Retriever.over(passages + [passage(n, phrase(n)) for n in labels])
         self.keywords = Predict(
             "text -> keywords",
             instructions="A customer wrote to their bank. In a few words, what does the customer "
@@ -124,7 +119,7 @@ class Banking77Shortlist(Module):
         )
         for text, keywords, choices, intent in DEMOS:
             self.keywords.demos.append({"text": text, "keywords": keywords})
-            demo = {"text": text, "choices": listed(choices), "intent": words(intent)}
+            demo = {"text": text, "choices": listed(choices), "intent": phrase(intent)}
             self.intent.demos.append(demo)
 
     def shortlist(self, query: str) -> list[str]:

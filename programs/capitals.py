@@ -16,11 +16,10 @@ country, so the held-out splits ask about countries training never saw.
 from __future__ import annotations
 
 import random
-import re
-import unicodedata
 
 from mmgrpo_jax.program import Example, Module, Predict, Prediction
 from programs.data import Splits
+from programs.text import ascii_folded, phrase
 
 CAPITALS = {
     "Afghanistan": "Kabul", "Albania": "Tirana", "Algeria": "Algiers", "Argentina": "Buenos Aires",
@@ -104,8 +103,7 @@ class Capitals(Module):
 
 def normalize(text: str) -> str:
     """Lower case, accents and punctuation off, spaces collapsed: 'Bogotá.' -> 'bogota'."""
-    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
-    return " ".join(re.sub(r"[^a-z0-9 ]+", " ", text.lower()).split())
+    return phrase(ascii_folded(text))
 
 
 def capital_match(example: Example, prediction: Prediction) -> float:

@@ -29,7 +29,6 @@ make an evaluation of 64 about five minutes on 2 cores).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from mmgrpo_jax.program import Example, Module, Predict, Prediction
 from mmgrpo_jax.program.lm import LM
 from programs.data import Splits
 from programs.papillon import load_pupa
+from programs.text import phrase, words
 
 MAX_QUERY_CHARS, DEV_SIZE, TEST_SIZE = 600, 24, 64
 PLACEHOLDER = "presidio_anonymized"
@@ -49,10 +49,6 @@ _STOPWORD_TEXT = (
 STOPWORDS = frozenset(_STOPWORD_TEXT.split())
 
 
-def words(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9]+", text.lower())
-
-
 def real_units(units: Sequence[str]) -> list[str]:
     """PII units with WildChat's placeholders dropped (they are not the detail)."""
     return [u for u in units if PLACEHOLDER not in u.lower().replace(" ", "_") and words(u)]
@@ -60,8 +56,8 @@ def real_units(units: Sequence[str]) -> list[str]:
 
 def leaked_units(request: str, units: Sequence[str]) -> list[str]:
     """The units whose words appear, in order and whole, in the request."""
-    said = f" {' '.join(words(request))} "
-    return [u for u in real_units(units) if f" {' '.join(words(u))} " in said]
+    said = f" {phrase(request)} "
+    return [u for u in real_units(units) if f" {phrase(u)} " in said]
 
 
 def leakage(request: str, units: Sequence[str]) -> float:

@@ -12,7 +12,6 @@ from programs.banking77_shortlist import (
     load_banking77_shortlist,
     load_reference,
     named_choice,
-    words,
 )
 from tests.paper_data import needs_paper_data
 
@@ -38,9 +37,7 @@ def test_named_choice_reads_the_one_choice_a_reply_names(reply, named):
     assert named_choice(reply, CHOICES) == named
 
 
-def test_words_and_the_exact_match_metric():
-    assert words("reverted_card_payment?") == "reverted card payment"
-    assert words("Refund_not_showing_up") == "refund not showing up"
+def test_the_exact_match_metric():
     example = Example(text="where is my card", label="card_arrival").with_inputs("text")
     assert intent_match(example, Prediction(label="card_arrival")) == 1.0
     assert intent_match(example, Prediction(label="card_delivery_estimate")) == 0.0
