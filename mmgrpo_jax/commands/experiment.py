@@ -34,6 +34,7 @@ from mmgrpo_jax.prompt_opt.better_together import (
     BetterTogether,
     LoadedPrompts,
     Optimizer,
+    can_load_prompt_stage,
     parse_strategy,
 )
 from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
@@ -107,7 +108,7 @@ class ExperimentConfig:
             raise ValueError(f"ExperimentConfig.prompt_state={self.prompt_state!r} is not a file")
         stages = parse_strategy(self.strategy)
         if self.prompt_stage is not None:
-            if stages[:1] != ["p"] or stages.count("p") != 1:
+            if not can_load_prompt_stage(self.strategy):
                 raise ValueError(
                     f"ExperimentConfig.prompt_stage={self.prompt_stage!r} stands for a strategy's "
                     f"one prompt stage, first; strategy={self.strategy!r} has another shape"

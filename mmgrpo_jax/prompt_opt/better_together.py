@@ -63,6 +63,12 @@ def parse_strategy(strategy: str) -> list[str]:
     return stages
 
 
+def can_load_prompt_stage(strategy: str) -> bool:
+    """A loaded search stands for a strategy's one p stage, run first on the base weights."""
+    stages = parse_strategy(strategy)
+    return stages[:1] == ["p"] and stages.count("p") == 1
+
+
 @dataclasses.dataclass
 class Stage:
     name: str  # "start", "p", "w"

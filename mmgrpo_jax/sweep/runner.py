@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from mmgrpo_jax.commands import COMMANDS, SWEEP_COMMANDS, command_config
 from mmgrpo_jax.errors import UserError
-from mmgrpo_jax.prompt_opt.better_together import parse_strategy
+from mmgrpo_jax.prompt_opt.better_together import can_load_prompt_stage, parse_strategy
 from mmgrpo_jax.sweep.child import PARENT_ENV
 from mmgrpo_jax.sweep.report import (
     CellRow,
@@ -113,8 +113,7 @@ def _check_prompt_source(config: SweepConfig, cell: Cell, source: Cell) -> None:
     )
     if parse_strategy(searched.strategy) != ["p"]:
         raise UserError(f"{where}: {source.name} runs strategy={searched.strategy!r}, not 'p'")
-    stages = parse_strategy(run.strategy)
-    if stages[:1] != ["p"] or stages.count("p") != 1:
+    if not can_load_prompt_stage(run.strategy):
         raise UserError(
             f"{where}: {cell.name} runs strategy={run.strategy!r}; a loaded stage stands for "
             "a strategy's one prompt stage, first"
