@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import random
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -99,10 +100,11 @@ def corpus_jsonl(cache: str | Path | None = None) -> Path:
     out = source.with_name("vital_articles_en.jsonl")
     if not out.is_file() or out.stat().st_mtime < source.stat().st_mtime:
         leads = read_corpus_leads(source)
-        tmp = out.with_suffix(".partial")
         lines = (json.dumps({"title": t, "text": x}, ensure_ascii=False) for t, x in leads.items())
-        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-        tmp.replace(out)
+        # a file of this process's own, renamed whole: two processes never share a partial one
+        with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
+        Path(f.name).replace(out)
     return out
 
 
@@ -177,7 +179,7 @@ class FanoutSearch(Module):
 
 def page_recall(example: Example, prediction: Prediction) -> float:
     """HoVer's metric: the fraction of the gold pages among the titles retrieved (exact titles:
-    both come from the same Wikipedia)."""
+    a gold page is one whose title the corpus holds)."""
     gold = set(example.titles)
     if not gold:
         raise ValueError(f"example has no gold pages: {example!r}")

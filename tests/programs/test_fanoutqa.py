@@ -162,3 +162,25 @@ def test_the_settings_it_would_not_read_are_refused_before_any_data_is_read():
         load_splits(TaskConfig(name="fanoutqa", corpus_path="c.jsonl", hops=2))
     with pytest.raises(ValueError, match=r"task\.data_dir='/data'"):
         load_splits(TaskConfig(name="fanoutqa", data_dir="/data"))
+
+
+def test_the_corpus_is_the_leads_as_title_text_records_rewritten_when_the_source_is_newer(
+    tmp_path, monkeypatch
+):
+    import json
+    import os
+
+    from programs import fanoutqa
+    from programs.retrieval import read_corpus
+
+    source = tmp_path / "summaries_en-us.json"
+    leads = {"Oslo": {"title": "Oslo", "extract": "Oslo is the capital of Norway."}}
+    source.write_text(json.dumps(leads))
+    monkeypatch.setattr(fanoutqa, "data_file", lambda name, member, cache=None: source)
+    corpus = fanoutqa.corpus_jsonl()
+    assert read_corpus(corpus) == ["Oslo | Oslo is the capital of Norway."]
+    leads["Bergen"] = {"title": "Bergen", "extract": "Bergen is a city in Norway."}
+    source.write_text(json.dumps(leads))
+    os.utime(corpus, (0, 0))  # older than its source: written again
+    assert len(read_corpus(fanoutqa.corpus_jsonl())) == 2
+    assert {p.name for p in tmp_path.iterdir()} == {corpus.name, source.name}  # no leftovers
