@@ -34,6 +34,7 @@ from mmgrpo_jax.prompt_opt.better_together import (
     BetterTogether,
     LoadedPrompts,
     Optimizer,
+    StartScores,
     can_load_prompt_stage,
     parse_strategy,
 )
@@ -90,6 +91,14 @@ class ExperimentConfig:
             "loaded, then scored like any stage"
         ),
     )
+    start_scores: str | None = setting(
+        None,
+        (
+            "better-together's start stage: its valset and test scores read from a finished "
+            "strategy=none run of the same config and seed (its summary.json) instead of "
+            "scored again (greedy decoding of the same program: the same numbers)"
+        ),
+    )
     train_limit: int | None = setting(None, "first N training examples (smoke runs)")
     val_limit: int | None = None
     test_limit: int | None = setting(
@@ -117,6 +126,13 @@ class ExperimentConfig:
                 raise ValueError(
                     f"ExperimentConfig.prompt_stage={self.prompt_stage!r} is not a file"
                 )
+        if self.start_scores is not None:
+            if not stages:
+                raise ValueError(
+                    f"ExperimentConfig.start_scores={self.start_scores!r}: strategy='none' is "
+                    "the run that scores the start stage; it reads no other run's scores"
+                )
+            StartScores.read(self.start_scores)  # one line naming the file, before the model
         if stages.count("w") > 1:
             raise ValueError(
                 f"ExperimentConfig.strategy={self.strategy!r}: one weight stage at most (each "
@@ -351,6 +367,7 @@ def run_better_together(cfg: ExperimentConfig) -> dict[str, Any]:
             prompts: Optimizer = policy.mipro(cfg.prompts_dir)
         else:
             prompts = LoadedPrompts(json.loads(Path(cfg.prompt_stage).read_text()))
+        start = None if cfg.start_scores is None else StartScores.read(cfg.start_scores)
         together = BetterTogether(
             policy.score,
             prompts,
@@ -358,11 +375,18 @@ def run_better_together(cfg: ExperimentConfig) -> dict[str, Any]:
             seed=cfg.mmgrpo.seed,
         )
         program = together.compile(
-            policy.task.program, policy.trainset, policy.valset, cfg.strategy
+            policy.task.program,
+            policy.trainset,
+            policy.valset,
+            cfg.strategy,
+            start_score=None if start is None else start.valset,
         )
         best_index = together.best_index  # the stage compile returned
         best = together.stages[best_index]
-        test_scores = _stage_test_scores(policy, program, together) if policy.testset else None
+        test_scores = None
+        if policy.testset:
+            known = None if start is None else start.test
+            test_scores = _stage_test_scores(policy, program, together, known)
         best_dir = run_dir / "best"
         if cfg.mmgrpo.train == "lora":
             # the restored stage's weights, naming the base they were trained on
@@ -377,6 +401,7 @@ def run_better_together(cfg: ExperimentConfig) -> dict[str, Any]:
     result = {
         "strategy": cfg.strategy,
         "prompt_stage": cfg.prompt_stage,  # where the p stage was read from, if not searched
+        "start_scores": cfg.start_scores,  # where the start's scores were read from, if not scored
         "stages": stages,
         "best": best.name,
         "best_index": best_index,
@@ -388,11 +413,17 @@ def run_better_together(cfg: ExperimentConfig) -> dict[str, Any]:
     return result
 
 
-def _stage_test_scores(policy: Policy, program: Module, together: BetterTogether) -> list[float]:
+def _stage_test_scores(
+    policy: Policy, program: Module, together: BetterTogether, start_test: float | None = None
+) -> list[float]:
     """Every stage's program (its prompts and weights) scored on the test split, which no stage
-    saw; the stage `compile` returned is restored after."""
+    saw (the start's read instead, when `start_test` is known); the stage `compile` returned is
+    restored after."""
     scores = []
-    for stage in together.stages:
+    for index, stage in enumerate(together.stages):
+        if index == 0 and start_test is not None:
+            scores.append(start_test)
+            continue
         program.load_state(stage.prompt_state)
         together.weights.restore_weights(stage.weights)
         scores.append(policy.score(program, policy.testset))

@@ -292,6 +292,30 @@ def test_better_together_cli_records_every_stage_and_saves_the_best(checkpoint, 
     assert "one weight stage at most" in capsys.readouterr().err
 
 
+def test_better_together_reads_its_start_scores_from_a_run_of_the_program_as_written(
+    checkpoint, tmp_path, capsys
+):
+    """What a sweep's cells do with its strategy=none cell's run: the start stage is not scored
+    again, and the trainer's own step-0 evaluation of the same program finds the same number."""
+    written = ["better-together", "--config", experiment_yaml(tmp_path, checkpoint, "none")]
+    assert cli.main([*written, f"mmgrpo.run_dir={tmp_path / 'as_written'}"]) == 0
+    vanilla = printed_json(capsys.readouterr().out)
+    scores = tmp_path / "as_written" / "summary.json"
+    argv = ["better-together", "--config", experiment_yaml(tmp_path, checkpoint, "w")]
+    assert cli.main([*argv, f"start_scores={scores}", "mmgrpo.eval_every=1"]) == 0
+    result = printed_json(capsys.readouterr().out)
+    assert result["stages"][0] == vanilla["stages"][0] and result["start_scores"] == str(scores)
+    curve = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    step0 = [r["eval_reward"] for r in curve if r["step"] == 0 and "eval_reward" in r]
+    assert step0 == [vanilla["stages"][0]["valset"]]
+    for bad, message in [
+        ("strategy=none", "strategy='none' is the run that scores the start stage"),
+        (f"start_scores={tmp_path / 'run' / 'summary.json'}", "not the summary.json of a strategy"),
+    ]:
+        assert cli.main([*argv, f"start_scores={scores}", bad]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_better_together_loads_a_finished_search_as_its_prompt_stage(checkpoint, tmp_path, capsys):
     """What a sweep's BetterTogether cell does with its MIPROv2 cell's run: no search, the
     searched prompts as the p stage, scored as the search's own run scored them."""

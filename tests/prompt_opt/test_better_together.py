@@ -5,7 +5,12 @@ from mmgrpo_jax.engines.jax_engine import JaxEngine
 from mmgrpo_jax.engines.lm import EngineLM
 from mmgrpo_jax.program import Example, Module, Predict
 from mmgrpo_jax.program.adapter import format_outputs
-from mmgrpo_jax.prompt_opt.better_together import BetterTogether, LoadedPrompts, parse_strategy
+from mmgrpo_jax.prompt_opt.better_together import (
+    BetterTogether,
+    LoadedPrompts,
+    StartScores,
+    parse_strategy,
+)
 from mmgrpo_jax.prompt_opt.mipro import MIPROv2, PromptOptConfig
 from mmgrpo_jax.prompt_opt.proposer import PROPOSE, SUMMARIZE
 from mmgrpo_jax.testing import ScriptedLM, word_policy
@@ -68,6 +73,44 @@ def test_best_stage_wins_earliest_on_ties_and_its_weights_come_back():
     assert len(weights.seen[0]) == 8 and weights.seen[0] != weights.seen[1]  # 2 held out
     with pytest.raises(ValueError, match="strategy"):
         parse_strategy("p -> x")
+
+
+def test_known_start_scores_stand_for_the_start_stage_which_is_not_scored_again():
+    weights, scored = FakeWeights(), []
+
+    def score(program, valset):
+        scored.append(weights.value)
+        return 0.2 * weights.value
+
+    together = BetterTogether(score, FakePrompts("better"), weights, seed=0)
+    trainset = [Example(q=str(i)).with_inputs("q") for i in range(6)]
+    together.compile(Echo(), trainset, trainset[:2], "w", start_score=0.9)
+    assert [(s.name, s.score) for s in together.stages] == [("start", 0.9), ("w", 0.2)]
+    assert scored == [1]  # the weight stage only
+    assert together.best_index == 0  # the known score competes like a scored one
+
+
+@pytest.mark.parametrize(
+    ("summary", "message"),
+    [
+        ('{"strategy": "w", "stages": []}', r"not the summary.json of a strategy=none run .*'w'"),
+        ("[1, 2]", r"strategy=none run \(strategy: 'list'\)"),
+        ('{"strategy": "none", "stages": [{"stage": "start"}]}', "no start stage with a valset"),
+        ('{"strategy": "none", "stages": [{"stage": "start", "valset": true}]}', "no start"),
+        ("not json", "is not JSON"),
+    ],
+)
+def test_start_scores_are_read_only_from_a_run_of_the_program_as_written(
+    tmp_path, summary, message
+):
+    path = tmp_path / "summary.json"
+    path.write_text(summary)
+    with pytest.raises(ValueError, match=message):
+        StartScores.read(path)
+    with pytest.raises(ValueError, match="cannot be read"):
+        StartScores.read(tmp_path / "missing.json")
+    path.write_text('{"strategy": "none", "stages": [{"stage": "start", "valset": 0.5}]}')
+    assert StartScores.read(path) == StartScores(0.5, None)
 
 
 def test_a_loaded_prompt_stage_gives_the_stages_of_the_search_it_was_read_from():
