@@ -28,7 +28,11 @@ from tqdm import tqdm
 
 from mmgrpo_jax.commands import COMMANDS, SWEEP_COMMANDS, command_config
 from mmgrpo_jax.errors import UserError
-from mmgrpo_jax.prompt_opt.better_together import can_load_prompt_stage, parse_strategy
+from mmgrpo_jax.prompt_opt.better_together import (
+    StartScores,
+    can_load_prompt_stage,
+    parse_strategy,
+)
 from mmgrpo_jax.sweep.child import PARENT_ENV
 from mmgrpo_jax.sweep.report import (
     CellRow,
@@ -97,6 +101,8 @@ def check_runs(config: SweepConfig) -> None:
     for cell in config.cells:
         if (source := config.prompt_source(cell)) is not None:
             _check_prompt_source(config, cell, source)
+        if (source := config.start_source(cell)) is not None:
+            _check_start_source(config, cell, source)
 
 
 # what may differ between a BetterTogether run and the MIPROv2 run whose prompts it loads
@@ -128,6 +134,39 @@ def _check_prompt_source(config: SweepConfig, cell: Cell, source: Cell) -> None:
         raise UserError(
             f"{where}: the two cells differ in {describe_changes(theirs, ours, differ)}; the "
             "search would not be the same (even a key only the weight stage reads is refused)"
+        )
+
+
+# what may differ between a run and the program-as-written run whose start scores it reads:
+# keys the start stage (the program as given, scored greedily on dev and test) never reads
+_NOT_READ_BY_THE_START = {
+    "strategy", "prompt_stage", "start_scores", "mmgrpo.run_dir", "prompt_opt.out_dir",
+    "mmgrpo.grouping",
+}  # fmt: skip
+
+
+def _check_start_source(config: SweepConfig, cell: Cell, source: Cell) -> None:
+    """The scores read must be the ones this run's start stage would have scored: the program
+    as written, on the same config but for what only a later stage reads."""
+    where = f"sweep start_scores_from: {cell.name} from {source.name}"
+    run, written = (
+        command_config(config.command, config.config, config.run_overrides(c, 0))
+        for c in (cell, source)
+    )
+    if parse_strategy(written.strategy):
+        raise UserError(f"{where}: {source.name} runs strategy={written.strategy!r}, not 'none'")
+    if not parse_strategy(run.strategy):
+        raise UserError(f"{where}: {cell.name} runs strategy='none' too; it is the one to read")
+    ours, theirs = (flatten(json.loads(json.dumps(dataclasses.asdict(c)))) for c in (run, written))
+    differ = sorted(
+        k
+        for k in set(ours) | set(theirs)
+        if k not in _NOT_READ_BY_THE_START and ours.get(k) != theirs.get(k)
+    )
+    if differ:
+        raise UserError(
+            f"{where}: the two cells differ in {describe_changes(theirs, ours, differ)}; the "
+            "start stage would not be the same program on the same splits"
         )
 
 
@@ -374,11 +413,12 @@ def _run_all(
 def _ready(
     config: SweepConfig, todo: list[tuple[Cell, int]], running: list[_Child]
 ) -> tuple[Cell, int] | None:
-    """The first run to launch: in the plan's order, but a run that loads another's prompts
-    waits while that run is still to run or running."""
+    """The first run to launch: in the plan's order, but a run that reads another's prompts or
+    start scores waits while that run is still to run or running."""
     pending = {*todo, *((c.cell, c.seed) for c in running)}
     for cell, seed in todo:
-        if (config.prompt_source(cell), seed) not in pending:
+        sources = (config.prompt_source(cell), config.start_source(cell))
+        if not any((source, seed) in pending for source in sources if source is not None):
             return cell, seed
     return None
 
@@ -404,6 +444,28 @@ def _prompt_stage_overrides(config: SweepConfig, cell: Cell, seed: int) -> list[
     return []
 
 
+def _start_scores_overrides(config: SweepConfig, cell: Cell, seed: int) -> list[str]:
+    """`start_scores=` for a run whose start stage another run scored, once that run has
+    finished; otherwise the run scores its start itself, and the log says why."""
+    source = config.start_source(cell)
+    if source is None:
+        return []
+    summary = config.run_dir(source, seed) / "summary.json"
+    try:
+        StartScores.read(summary)
+        return [f"start_scores={summary}"]
+    except ValueError as err:
+        logger.warning(
+            "%s seed %d scores its own start stage: %s seed %d left no readable scores (%s)",
+            cell.name,
+            seed,
+            source.name,
+            seed,
+            err,
+        )
+        return []
+
+
 def _launch(config: SweepConfig, cell: Cell, seed: int) -> _Child:
     run_dir = config.run_dir(cell, seed)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -412,8 +474,12 @@ def _launch(config: SweepConfig, cell: Cell, seed: int) -> _Child:
     identity = run_dir / IDENTITY
     if not identity.is_file():
         write_atomic(identity, identity_json(config.identity(cell, seed)) + "\n")
-    # not in the identity: a loaded stage is the same run as a searched one (it stands for it)
-    command = command_line(config, cell, seed) + _prompt_stage_overrides(config, cell, seed)
+    # not in the identity: a loaded stage (or start) is the same run as a scored one
+    command = [
+        *command_line(config, cell, seed),
+        *_prompt_stage_overrides(config, cell, seed),
+        *_start_scores_overrides(config, cell, seed),
+    ]
     log = (run_dir / LOG).open("a")
     log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
     log.flush()

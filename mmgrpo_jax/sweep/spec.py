@@ -33,6 +33,10 @@ waits for its MIPROv2 run of the same seed and loads that run's prompts as its p
         better_together: {strategy: "p -> w"}
     prompt_stage_from: {better_together: prompt_opt}
 
+and with `start_scores_from: vanilla` (the first-axis value whose cell runs `strategy: none`),
+every other cell reads its start stage's valset and test scores from the program-as-written
+run of the same seed, instead of scoring the same program on the same splits again.
+
 On the command line the same grid is ``--grid "grouping=module,trajectory loss=grpo,dapo"``.
 """
 
@@ -154,6 +158,14 @@ class SweepConfig:
             "from the source cell's finished MIPROv2 run of the same seed (module doc)"
         ),
     )
+    start_scores_from: str | None = setting(
+        None,
+        (
+            "better-together: a value of the first axis whose cell runs strategy=none; every "
+            "other cell's start stage is read from that cell's finished run of the same seed "
+            "(module doc)"
+        ),
+    )
     score: str = setting("eval_reward_after", "summary.json's key for a run's final score")
     curve: str = setting(
         "eval_reward", "metrics.jsonl's key for learning curves and steps-to-threshold"
@@ -224,6 +236,8 @@ class SweepConfig:
             self._check_baseline_from(self.baseline_from)
         if self.prompt_stage_from:
             self._check_prompt_stage_from()
+        if self.start_scores_from is not None:
+            self._check_start_scores_from()
 
     def _check_prompt_stage_from(self) -> None:
         where = f"sweep prompt_stage_from {dict(self.prompt_stage_from)}"
@@ -246,6 +260,30 @@ class SweepConfig:
                     f"{where}: {source!r} loads its own prompt stage; name the cell that runs "
                     "the search"
                 )
+
+    def _check_start_scores_from(self) -> None:
+        where = f"sweep start_scores_from {self.start_scores_from!r}"
+        if self.command != "better-together":
+            raise UserError(f"{where}: only better-together runs have a start stage to read")
+        if not self.grid:
+            raise UserError(f"{where} needs a grid: it names a value of the first axis")
+        first = self.grid[0]
+        labels = [v.label for v in first.values]
+        if self.start_scores_from not in labels:
+            raise UserError(
+                f"{where} is not a value of the first axis {first.name!r} (its values: {labels})"
+            )
+
+    def start_source(self, cell: Cell) -> Cell | None:
+        """The cell whose run of the same seed (the program as written) gives `cell` its start
+        stage's scores, if any: the same labels, the first axis's `start_scores_from`."""
+        if self.start_scores_from is None:
+            return None
+        (axis, label), *rest = cell.labels or (("", ""),)
+        if label == self.start_scores_from:
+            return None
+        labels = ((axis, self.start_scores_from), *rest)
+        return next(c for c in self.cells if c.labels == labels)
 
     def prompt_source(self, cell: Cell) -> Cell | None:
         """The cell whose MIPROv2 run of the same seed gives `cell` its p stage, if any: the

@@ -4,8 +4,9 @@ It takes the demo's override keys, logs a deterministic curve of (seed, lr) to m
 "checkpoint" after every step, and resumes from it the way the trainer does (rows after the
 checkpoint dropped), so an interrupted run ends with the files of an uninterrupted one.
 `fail=<code>` exits with that code instead (after printing a last line); FAKE_STEP_SECONDS sets
-the time a step takes. Given better-together's `strategy`, a lone p stage saves a prompt state
-and a `prompt_stage=` file is read into the summary.
+the time a step takes. Given better-together's `strategy`, a lone p stage saves a prompt state,
+a `prompt_stage=` file is read into the summary, and the start stage's scores are made up from
+the seed or read from a `start_scores=` file.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ def main(argv: list[str]) -> int:
             summary["prompt_stage"] = args.get("prompt_stage")
             if "prompt_stage" in args:
                 summary["loaded"] = json.loads(Path(args["prompt_stage"]).read_text())
+            summary["stages"] = [{"stage": "start", "valset": 0.1 + seed, "test": 0.2 + seed}]
+            if "start_scores" in args:  # read, as better-together reads it
+                summary["start_scores"] = args["start_scores"]
+                summary["stages"] = json.loads(Path(args["start_scores"]).read_text())["stages"]
             if args["strategy"] == "p":
                 (run_dir / "prompts").mkdir(exist_ok=True)
                 state = {"searched": {"seed": seed, "at": time.time()}}

@@ -643,6 +643,70 @@ def test_a_better_together_cell_waits_for_its_search_and_loads_it(
     assert run_sweep(config, progress=False).skipped == 5
 
 
+def test_cells_wait_for_the_program_as_written_and_read_its_start_scores(
+    tmp_path, fake_runs, monkeypatch, caplog
+):
+    def second_vanilla_fails(config, cell, seed):
+        line = fake_command_line(config, cell, seed)
+        return [*line, "fail=3"] if (cell.name, seed) == ("method=vanilla", 1) else line
+
+    monkeypatch.setattr(runner, "command_line", second_vanilla_fails)
+    grid = {
+        "method": {
+            "together": {"strategy": "p -> w"},
+            "trajectory": {"strategy": "w", "mmgrpo.grouping": "trajectory"},
+            "prompt_opt": {"strategy": "p"},
+            "vanilla": {"strategy": "none"},
+        }
+    }
+    config = _search_once(tmp_path / "sweep", grid=grid, start_scores_from="vanilla")
+    together, trajectory, searched, vanilla = config.cells
+    assert config.start_source(trajectory) == vanilla and config.start_source(vanilla) is None
+    with caplog.at_level("WARNING"):
+        report = run_sweep(config, progress=False)
+    assert [(f.cell, f.seed) for f in report.failures] == [(vanilla, 1)]
+    written = config.run_dir(vanilla, 0) / "summary.json"
+    for cell in (together, trajectory, searched):  # listed before it with jobs=2, yet they waited
+        summary = json.loads((config.run_dir(cell, 0) / "summary.json").read_text())
+        assert summary["start_scores"] == str(written)
+        assert summary["stages"] == json.loads(written.read_text())["stages"]
+        # seed 1's program as written failed: those runs score their start themselves
+        again = json.loads((config.run_dir(cell, 1) / "summary.json").read_text())
+        assert "start_scores" not in again and again["stages"][0]["valset"] == 1.1
+    assert "method=trajectory seed 1 scores its own start stage" in caplog.text
+    identity = json.loads((config.run_dir(trajectory, 0) / runner.IDENTITY).read_text())
+    assert identity["config"]["start_scores"] is None  # a restart finds it the same run
+    assert run_sweep(config, progress=False).skipped == 7
+
+
+@pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        (
+            {"vanilla": {"strategy": "w"}, "mmgrpo": {"strategy": "w"}},
+            "method=vanilla runs strategy='w', not 'none'",
+        ),
+        (
+            {"vanilla": {"strategy": "none"}, "again": {"strategy": "none"}},
+            "method=again runs strategy='none' too",
+        ),
+        (
+            {"vanilla": {"strategy": "none"}, "mmgrpo": {"strategy": "w", "test_limit": 1}},
+            r"differ in test_limit: None -> 1; the start stage would not be the same",
+        ),
+    ],
+)
+def test_start_scores_must_be_those_the_cell_would_score(tmp_path, fake_runs, grid, message):
+    config = _search_once(
+        tmp_path / "sweep", grid={"method": grid}, start_scores_from="vanilla", prompt_stage_from={}
+    )
+    with pytest.raises(UserError, match=message):
+        run_sweep(config, progress=False)
+    assert not (tmp_path / "sweep" / "runs").exists()  # refused before any run
+    with pytest.raises(UserError, match=r"'nowhere' is not a value of the first axis"):
+        _search_once(tmp_path / "other", start_scores_from="nowhere")
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
