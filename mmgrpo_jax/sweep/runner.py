@@ -124,16 +124,26 @@ def _check_prompt_source(config: SweepConfig, cell: Cell, source: Cell) -> None:
             f"{where}: {cell.name} runs strategy={run.strategy!r}; a loaded stage stands for "
             "a strategy's one prompt stage, first"
         )
-    ours, theirs = (flatten(json.loads(json.dumps(dataclasses.asdict(c)))) for c in (run, searched))
+    _refuse_differences(
+        where,
+        run,
+        searched,
+        _NOT_READ_BY_THE_SEARCH,
+        "the search would not be the same (even a key only the weight stage reads is refused)",
+    )
+
+
+def _refuse_differences(
+    where: str, run: object, source: object, allowed: set[str], why: str
+) -> None:
+    """Two cells' resolved configs must agree on every key but the `allowed` ones."""
+    ours, theirs = (flatten(json.loads(json.dumps(dataclasses.asdict(c)))) for c in (run, source))
     differ = sorted(
-        k
-        for k in set(ours) | set(theirs)
-        if k not in _NOT_READ_BY_THE_SEARCH and ours.get(k) != theirs.get(k)
+        k for k in set(ours) | set(theirs) if k not in allowed and ours.get(k) != theirs.get(k)
     )
     if differ:
         raise UserError(
-            f"{where}: the two cells differ in {describe_changes(theirs, ours, differ)}; the "
-            "search would not be the same (even a key only the weight stage reads is refused)"
+            f"{where}: the two cells differ in {describe_changes(theirs, ours, differ)}; {why}"
         )
 
 
@@ -157,17 +167,13 @@ def _check_start_source(config: SweepConfig, cell: Cell, source: Cell) -> None:
         raise UserError(f"{where}: {source.name} runs strategy={written.strategy!r}, not 'none'")
     if not parse_strategy(run.strategy):
         raise UserError(f"{where}: {cell.name} runs strategy='none' too; it is the one to read")
-    ours, theirs = (flatten(json.loads(json.dumps(dataclasses.asdict(c)))) for c in (run, written))
-    differ = sorted(
-        k
-        for k in set(ours) | set(theirs)
-        if k not in _NOT_READ_BY_THE_START and ours.get(k) != theirs.get(k)
+    _refuse_differences(
+        where,
+        run,
+        written,
+        _NOT_READ_BY_THE_START,
+        "the start stage would not be the same program on the same splits",
     )
-    if differ:
-        raise UserError(
-            f"{where}: the two cells differ in {describe_changes(theirs, ours, differ)}; the "
-            "start stage would not be the same program on the same splits"
-        )
 
 
 def _prompt_file(config: SweepConfig, cell: Cell, seed: int) -> Path:
