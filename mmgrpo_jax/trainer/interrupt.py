@@ -6,6 +6,8 @@ evaluation: the learner still holds the last completed step), and is held back i
 ends. The caller then saves the last completed step and lets `Interrupted` reach the command
 line, which exits with the conventional code (130 for SIGINT, 143 for SIGTERM). A second signal
 while a stop is under way is noted; a third exits at once, without a checkpoint (a stuck write).
+A signal that lands in a finalizer or a gc callback (XLA registers one) raises there, where
+Python drops the exception; the stop is then delivered again, to land in the run's own code.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -55,6 +58,7 @@ class StopSignals:
         self._stopping = False
         self._waiting = 0  # signals that came while a stop was already under way
         self._previous: dict[int, Any] = {}
+        self._previous_hook: Any = None
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -62,12 +66,15 @@ class StopSignals:
                 if signal.getsignal(signum) is signal.SIG_IGN:
                     continue  # ignored by whoever started us (a background job): keep it so
                 self._previous[signum] = signal.signal(signum, self._handle)
+            self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        if self._previous_hook is not None:
+            sys.unraisablehook, self._previous_hook = self._previous_hook, None
         if exc_type is None and self._pending is not None and not self._stopping:
             raise Interrupted(self._pending)  # held back by hold(): the work is done, stop now
 
@@ -102,6 +109,19 @@ class StopSignals:
             return
         self._stopping = True
         raise Interrupted(signum)
+
+    def _unraisable(self, unraisable: Any) -> None:
+        """Python dropped an exception a callback raised; if it was our stop, ask again, from
+        a timer thread: the signal then reaches the main thread in ordinary code (or, should it
+        land in a callback once more, comes back here)."""
+        if not isinstance(unraisable.exc_value, Interrupted) or not self._previous:
+            self._previous_hook(unraisable)
+            return
+        signum = unraisable.exc_value.signum
+        name = unraisable.exc_value.signal_name
+        logger.warning("%s landed in a callback, which dropped it: delivering it again", name)
+        self._stopping = False
+        threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:

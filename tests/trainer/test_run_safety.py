@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import struct
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -448,6 +449,31 @@ def test_signals_held_back_raise_when_the_block_ends_and_ignored_ones_stay_ignor
         assert finished
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_signal_whose_stop_python_drops_in_a_callback_is_delivered_again():
+    """A signal that lands in a finalizer or a gc callback (XLA registers one) raises there,
+    and Python drops what such a callback raises: the stop must not be lost with it."""
+    import time
+
+    from mmgrpo_jax.trainer.interrupt import StopSignals
+
+    class SignalledWhileFinalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs here, inside __del__
+                pass
+
+    hook = sys.unraisablehook
+    with pytest.raises(Interrupted) as caught, StopSignals():
+        SignalledWhileFinalized()  # finalized at once: the handler raises inside __del__
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        reached_the_deadline = True
+    assert caught.value.signal_name == "SIGTERM"
+    assert "reached_the_deadline" not in locals()
+    assert sys.unraisablehook is hook  # restored
 
 
 def test_a_run_dir_that_cannot_be_made_is_a_user_error(tmp_path):
