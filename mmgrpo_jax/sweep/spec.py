@@ -239,22 +239,27 @@ class SweepConfig:
         if self.start_scores_from is not None:
             self._check_start_scores_from()
 
-    def _check_prompt_stage_from(self) -> None:
-        where = f"sweep prompt_stage_from {dict(self.prompt_stage_from)}"
+    def _check_first_axis_values(self, where: str, stage: str, values: Sequence[str]) -> None:
+        """`values` name cells of a better-together grid by their first-axis value."""
         if self.command != "better-together":
-            raise UserError(f"{where}: only better-together runs have a prompt stage to load")
+            raise UserError(f"{where}: only better-together runs have {stage}")
         if not self.grid:
             raise UserError(f"{where} needs a grid: it names values of the first axis")
         first = self.grid[0]
         labels = [v.label for v in first.values]
+        for label in values:
+            if label not in labels:
+                raise UserError(
+                    f"{where}: {label!r} is not a value of the first axis {first.name!r} "
+                    f"(its values: {labels})"
+                )
+
+    def _check_prompt_stage_from(self) -> None:
+        where = f"sweep prompt_stage_from {dict(self.prompt_stage_from)}"
+        named = [label for pair in self.prompt_stage_from for label in pair]
+        self._check_first_axis_values(where, "a prompt stage to load", named)
         targets = [t for t, _ in self.prompt_stage_from]
         for target, source in self.prompt_stage_from:
-            for label in (target, source):
-                if label not in labels:
-                    raise UserError(
-                        f"{where}: {label!r} is not a value of the first axis {first.name!r} "
-                        f"(its values: {labels})"
-                    )
             if source in targets or source == target:
                 raise UserError(
                     f"{where}: {source!r} loads its own prompt stage; name the cell that runs "
@@ -263,16 +268,7 @@ class SweepConfig:
 
     def _check_start_scores_from(self) -> None:
         where = f"sweep start_scores_from {self.start_scores_from!r}"
-        if self.command != "better-together":
-            raise UserError(f"{where}: only better-together runs have a start stage to read")
-        if not self.grid:
-            raise UserError(f"{where} needs a grid: it names a value of the first axis")
-        first = self.grid[0]
-        labels = [v.label for v in first.values]
-        if self.start_scores_from not in labels:
-            raise UserError(
-                f"{where} is not a value of the first axis {first.name!r} (its values: {labels})"
-            )
+        self._check_first_axis_values(where, "a start stage to read", [self.start_scores_from])
 
     def start_source(self, cell: Cell) -> Cell | None:
         """The cell whose run of the same seed (the program as written) gives `cell` its start
